@@ -1,0 +1,68 @@
+"""The model runner: RWKV-7 executed over the rows of a slot table.
+
+It owns the weights and the states of `max_slots` slots (one `RNNState` with a row per slot)
+and advances any set of distinct rows by any numbers of tokens. It knows nothing of requests,
+sampling or caching: the batcher decides which rows move, the runner moves them.
+
+Contract shared by every runner (CPU reference here, the CUDA runner in cuda_runner.py):
+    prefill(rows, chunks) -> logits [len(rows), V] fp32, each row's logits after its chunk
+    decode(rows, tokens)  -> logits [len(rows), V] fp32, one token per row
+    read_state(slot) -> RNNState (1 row, a copy);  write_state(slot, state);  reset(slot)
+A slot's state is always the model's state after the tokens it has consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .rwkv7 import RWKV7, Rows, WkvFn, wkv_reference
+from .state import RNNState
+
+
+class ModelRunner:
+    def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn = wkv_reference):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.max_slots = max_slots
+        self.wkv = wkv
+        self.states = RNNState.zeros(self.config, max_slots, self.device)  # the slot table's rows
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @torch.no_grad()
+    def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
+        """Advances each row by its chunk (chunks may differ in length) in one batched pass."""
+        self._check_rows(rows, len(chunks))
+        flat = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+        layout = Rows([len(chunk) for chunk in chunks], device=self.device)
+        logits, new = self.model(flat, layout, self.states.take(rows), wkv=self.wkv)
+        self.states.put(rows, new)
+        return logits
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """Advances each row by one token."""
+        return self.prefill(rows, [[t] for t in tokens])
+
+    def read_state(self, slot: int) -> RNNState:
+        return self.states.take([slot])
+
+    def write_state(self, slot: int, state: RNNState) -> None:
+        if not state.fits(self.config) or state.rows != 1:
+            raise ValueError("state does not fit this model")
+        self.states.put([slot], state)
+
+    def reset(self, slot: int) -> None:
+        for tensor in self.states.tensors():
+            tensor[:, slot].zero_()
+
+    def _check_rows(self, rows: Sequence[int], n_chunks: int) -> None:
+        if len(rows) != n_chunks or len(set(rows)) != len(rows):
+            raise ValueError(f"rows must be distinct and match the chunks: {list(rows)}")
+        if any(not 0 <= r < self.max_slots for r in rows):
+            raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")

@@ -1,0 +1,257 @@
+"""RWKV-7 ("Goose", x070) in torch: its parameters and its math, in the paper's symbols.
+
+One forward pass serves training and serving alike. A batch is a set of rows, each with its own
+number of tokens, packed flat along one token axis ([T, C], T = all rows' tokens, row-major);
+`Rows` says where each row lies. Everything but the time-mix recurrence is per token (matrix
+products over all T at once) or looks one token back (the token shift, which takes a row's first
+"previous token" from its state). The recurrence runs through a `WkvFn` that the caller picks:
+`wkv_reference` below (token by token, the definition) or a GPU kernel with the same contract.
+
+Parameter names are BlinkDL's, so a checkpoint's state dict loads as it is once its [1, 1, C]
+vectors are squeezed (see checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .state import RNNState
+
+DECAY_SCALE = 0.606531  # exp(-0.5): w = exp(-DECAY_SCALE · sigmoid(·)) lies in (0.545, 1)
+
+
+class Rows:
+    """Where each row's tokens lie on the flat token axis (every row has at least one token)."""
+
+    def __init__(self, lengths: Sequence[int], device: torch.device | str = "cpu"):
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"every row needs at least one token, got lengths {list(lengths)}")
+        self.lengths = [int(n) for n in lengths]
+        ends = torch.tensor(self.lengths, device=device).cumsum(0)
+        self.starts = ends - torch.tensor(self.lengths, device=device)  # [B] first token of each row
+        self.lasts = ends - 1  # [B] last token of each row
+        self.total = int(sum(self.lengths))
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lengths)) == 1
+
+
+# wkv(S [B,H,N,N], r, w_log, k, v, a, b [T,H,N], rows) -> (out [T,H,N] fp32, S' [B,H,N,N] fp32)
+# with, per head and token:  S <- S·diag(exp(w_log)) + (S·a) bᵀ + v kᵀ;  out = S·r
+WkvFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Rows], tuple[Tensor, Tensor]]
+
+
+def wkv_reference(
+    state: Tensor, r: Tensor, w_log: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, rows: Rows
+) -> tuple[Tensor, Tensor]:
+    """The recurrence token by token, in fp32: the definition every faster path is tested against.
+
+    Rows are visited longest first so that at step t the rows still running are a prefix of the
+    batch. Out-of-place throughout, so autograd can train through it.
+    """
+    r, w, k, v, a, b = (t.float() for t in (r, torch.exp(w_log.float()), k, v, a, b))
+    order = sorted(range(rows.count), key=lambda i: -rows.lengths[i])
+    order_t = torch.tensor(order, device=state.device)
+    starts = rows.starts.to(state.device)[order_t]
+    lengths = [rows.lengths[i] for i in order]
+    S = state.float()[order_t]  # [B, H, N, N]
+    outs, where = [], []
+    for t in range(lengths[0]):
+        n = sum(1 for length in lengths if length > t)
+        idx = starts[:n] + t
+        r_t, w_t, k_t, v_t, a_t, b_t = (x[idx] for x in (r, w, k, v, a, b))  # [n, H, N]
+        S_n = S[:n]
+        S_n = (
+            S_n * w_t[:, :, None, :]
+            + (S_n @ a_t[..., None]) @ b_t[:, :, None, :]
+            + v_t[..., None] @ k_t[:, :, None, :]
+        )
+        S = S_n if n == len(lengths) else torch.cat([S_n, S[n:]])
+        outs.append((S_n @ r_t[..., None])[..., 0])
+        where.append(idx)
+    out = torch.zeros_like(r).index_put((torch.cat(where),), torch.cat(outs))
+    return out, S[torch.argsort(order_t)]
+
+
+def token_shift(x: Tensor, shift: Tensor, rows: Rows) -> Tensor:
+    """Each token's previous token: the one before it in its row, or the row's saved shift."""
+    prev = torch.roll(x, 1, dims=0)
+    return prev.index_put((rows.starts,), shift.to(x.dtype))
+
+
+class TimeMix(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        C, H, N = config.n_embd, config.n_head, config.head_size
+        self.layer_id = layer_id
+        self.n_head, self.head_size = H, N
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a"):
+            setattr(self, name, nn.Parameter(torch.zeros(C)))
+        for name, rank in (("w", config.w_lora), ("a", config.a_lora), ("v", config.v_lora), ("g", config.g_lora)):
+            setattr(self, f"{name}1", nn.Parameter(torch.zeros(C, rank)))
+            setattr(self, f"{name}2", nn.Parameter(torch.zeros(rank, C)))
+        self.r_k = nn.Parameter(torch.zeros(H, N))
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.key = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(C, C, bias=False)
+        self.output = nn.Linear(C, C, bias=False)
+        self.ln_x = nn.GroupNorm(H, C, eps=64e-5)
+
+    def forward(
+        self, x: Tensor, shift: Tensor, v_first: Tensor | None, wkv_state: Tensor, rows: Rows, wkv: WkvFn
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, C] -> (out [T, C], v_first [T, C], wkv state [B, H, N, N])."""
+        T, C = x.shape
+        H, N = self.n_head, self.head_size
+        xx = token_shift(x, shift, rows) - x
+        xr, xw, xk, xv, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g))
+        r = self.receptance(xr)
+        k = self.key(xk)
+        v = self.value(xv)
+        w_log = -DECAY_SCALE * torch.sigmoid((self.w0 + torch.tanh(xw @ self.w1) @ self.w2).float())
+        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        kk = F.normalize((k * self.k_k).view(T, H, N), dim=-1, p=2.0)
+        k = k * (1 + (a - 1) * self.k_a)
+        if self.layer_id == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+        r, k, v, a = (t.view(T, H, N) for t in (r, k, v, a))
+        y, wkv_state = wkv(wkv_state, r, w_log.view(T, H, N), k, v, -kk, kk * a, rows)
+        y = self.ln_x(y.reshape(T, C).to(x.dtype))
+        y = y + ((r * k * self.r_k).sum(-1, keepdim=True) * v).view(T, C)
+        return self.output(y * g), v_first, wkv_state
+
+
+class ChannelMix(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.x_k = nn.Parameter(torch.zeros(config.n_embd))
+        self.key = nn.Linear(config.n_embd, config.ffn_dim, bias=False)
+        self.value = nn.Linear(config.ffn_dim, config.n_embd, bias=False)
+
+    def forward(self, x: Tensor, shift: Tensor, rows: Rows) -> Tensor:
+        k = x + (token_shift(x, shift, rows) - x) * self.x_k
+        return self.value(torch.relu(self.key(k)) ** 2)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        if layer_id == 0:
+            self.ln0 = nn.LayerNorm(config.n_embd, eps=1e-5)
+        self.ln1 = nn.LayerNorm(config.n_embd, eps=1e-5)
+        self.ln2 = nn.LayerNorm(config.n_embd, eps=1e-5)
+        self.att = TimeMix(config, layer_id)
+        self.ffn = ChannelMix(config)
+
+
+class RWKV7(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_out = nn.LayerNorm(config.n_embd, eps=1e-5)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        rows: Rows,
+        state: RNNState,
+        wkv: WkvFn = wkv_reference,
+        last_only: bool = True,
+    ) -> tuple[Tensor, RNNState]:
+        """Advances each row of `state` by its tokens.
+
+        tokens [T] (flat, row-major as `rows` says); state holds one row per row of `rows`.
+        Returns fp32 logits ([B, V] for each row's last token if last_only, else [T, V]) and the
+        rows' new state (new tensors; `state` is left as it was).
+        """
+        x = self.blocks[0].ln0(self.emb(tokens))
+        v_first = None
+        att_shifts, ffn_shifts, wkvs = [], [], []
+        for i, block in enumerate(self.blocks):
+            h = block.ln1(x)
+            out, v_first, wkv_state = block.att(h, state.att_shift[i], v_first, state.wkv[i], rows, wkv)
+            att_shifts.append(h[rows.lasts])
+            wkvs.append(wkv_state)
+            x = x + out
+            h = block.ln2(x)
+            x = x + block.ffn(h, state.ffn_shift[i], rows)
+            ffn_shifts.append(h[rows.lasts])
+        if last_only:
+            x = x[rows.lasts]
+        logits = self.head(self.ln_out(x)).float()
+        new_state = RNNState(
+            att_shift=torch.stack(att_shifts).float(),
+            ffn_shift=torch.stack(ffn_shifts).float(),
+            wkv=torch.stack(wkvs).float(),
+        )
+        return logits, new_state
+
+    def forward_batch(self, tokens: Tensor, wkv: WkvFn = wkv_reference) -> Tensor:
+        """Training form: tokens [B, T] from a zero state -> logits [B, T, V] at every position."""
+        B, T = tokens.shape
+        rows = Rows([T] * B, device=tokens.device)
+        state = RNNState.zeros(self.config, B, device=tokens.device)
+        logits, _ = self(tokens.reshape(-1), rows, state, wkv=wkv, last_only=False)
+        return logits.view(B, T, -1)
+
+
+@torch.no_grad()
+def init_random(model: RWKV7, seed: int, scale: float = 1.0) -> RWKV7:
+    """Fills a model with random weights whose activations stay in a healthy range at any size.
+
+    Used by tests (random checkpoints of many shapes) and as the start of training.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: Sequence[int], std: float) -> Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def uniform(shape: Sequence[int], low: float, high: float) -> Tensor:
+        return low + (high - low) * torch.rand(*shape, generator=gen)
+
+    cfg = model.config
+    C = cfg.n_embd
+    model.emb.weight.copy_(normal(model.emb.weight.shape, 1.0))
+    model.head.weight.copy_(normal(model.head.weight.shape, scale / math.sqrt(C)))
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm | nn.GroupNorm):
+            module.weight.copy_(uniform(module.weight.shape, 0.8, 1.2))
+            module.bias.copy_(normal(module.bias.shape, 0.05))
+    for block in model.blocks:
+        att, ffn = block.att, block.ffn
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            getattr(att, name).copy_(uniform((C,), 0.0, 1.0))
+        ffn.x_k.copy_(uniform((C,), 0.0, 1.0))
+        att.w0.copy_(uniform((C,), -4.0, 1.0))
+        att.a0.copy_(normal((C,), 0.5))
+        att.v0.copy_(normal((C,), 0.5))
+        att.k_k.copy_(uniform((C,), 0.6, 1.0))
+        att.k_a.copy_(uniform((C,), 0.6, 1.2))
+        att.r_k.copy_(normal(att.r_k.shape, 0.3))
+        for name in ("w", "a", "v", "g"):
+            first, second = getattr(att, f"{name}1"), getattr(att, f"{name}2")
+            first.copy_(normal(first.shape, 1.0 / math.sqrt(C)))
+            second.copy_(normal(second.shape, 1.0 / math.sqrt(second.shape[0])))
+        for linear in (att.receptance, att.key, att.value):
+            linear.weight.copy_(normal(linear.weight.shape, 1.0 / math.sqrt(C)))
+        att.output.weight.copy_(normal(att.output.weight.shape, scale * 0.5 / math.sqrt(C)))
+        ffn.key.weight.copy_(normal(ffn.key.weight.shape, 1.0 / math.sqrt(C)))
+        ffn.value.weight.copy_(normal(ffn.value.weight.shape, scale * 0.5 / math.sqrt(cfg.ffn_dim)))
+    return model

@@ -1,0 +1,126 @@
+"""The model runner against the reference implementation (`rwkv` 0.8.32, cpu fp32).
+
+Random checkpoints of several shapes (not only the released ratios) are written in BlinkDL's
+.pth format; the reference package reads the same file. Every comparison is relative error
+‖ours − ref‖ / ‖ref‖ ≤ 1e-4.
+"""
+
+import os
+
+os.environ["RWKV_V7_ON"] = "1"  # must precede the import of rwkv.model
+os.environ.setdefault("RWKV_JIT_ON", "0")
+
+import pytest
+import torch
+
+from replicas.model.checkpoint import save_pth
+from replicas.model.config import ModelConfig
+from replicas.model.runner import ModelRunner
+from replicas.model.rwkv7 import RWKV7, init_random
+
+TOLERANCE = 1e-4
+
+SHAPES = {
+    "L1-C64-H1": ModelConfig(1, 64, 64, 97, 100, 4, 4, 4, 4),
+    "L3-C128-H4x32": ModelConfig(3, 128, 32, 300, 200, 8, 12, 6, 10),
+    "L2-C192-H3x64": ModelConfig(2, 192, 64, 1000, 768, 16, 16, 8, 32),
+    "L4-C96-H6x16": ModelConfig(4, 96, 16, 64, 384, 32, 8, 16, 24),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def pair(request, tmp_path_factory):
+    """(our runner with 4 slots, the reference model) over one random checkpoint."""
+    from rwkv.model import RWKV  # noqa: PLC0415 - imported after RWKV_V7_ON is set
+
+    config = SHAPES[request.param]
+    model = init_random(RWKV7(config), seed=sorted(SHAPES).index(request.param)).eval()
+    path = tmp_path_factory.mktemp("ckpt") / "model.pth"
+    save_pth(model, path)
+    reference = RWKV(str(path.with_suffix("")), "cpu fp32")
+    return ModelRunner(model, max_slots=4), reference
+
+
+def reference_run(reference, tokens, state=None):
+    logits, state = reference.forward(list(tokens), state)
+    return logits, state
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_one_token(pair):
+    runner, reference = pair
+    ours = runner.prefill([0], [[7]])[0]
+    ref, _ = reference_run(reference, [7])
+    assert rel_err(ours, ref) <= TOLERANCE
+
+
+def test_multi_token_prompt(pair):
+    runner, reference = pair
+    tokens = prompt(37, runner.vocab_size, 1)
+    runner.reset(1)
+    ours = runner.prefill([1], [tokens])[0]
+    ref, ref_state = reference_run(reference, tokens)
+    assert rel_err(ours, ref) <= TOLERANCE
+    wkv_ref = torch.stack([ref_state[3 * i + 1] for i in range(runner.config.n_layer)])
+    assert rel_err(runner.read_state(1).wkv[:, 0], wkv_ref) <= TOLERANCE
+
+
+def test_continue_from_saved_state(pair):
+    runner, reference = pair
+    head, tail = prompt(20, runner.vocab_size, 2), prompt(9, runner.vocab_size, 3)
+    runner.reset(0)
+    runner.prefill([0], [head])
+    saved = runner.read_state(0)
+    runner.prefill([0], [prompt(5, runner.vocab_size, 4)])  # the slot moves on; the copy must not
+    runner.write_state(2, saved)
+    ours = runner.prefill([2], [tail])[0]
+    _, ref_state = reference_run(reference, head)
+    ref, _ = reference_run(reference, tail, ref_state)
+    assert rel_err(ours, ref) <= TOLERANCE
+    # and token by token through decode
+    runner.write_state(3, saved)
+    for token in tail:
+        step = runner.decode([3], [token])[0]
+    assert rel_err(step, ref) <= TOLERANCE
+
+
+def test_rows_of_different_lengths_in_one_call(pair):
+    runner, reference = pair
+    chunks = [prompt(n, runner.vocab_size, 10 + n) for n in (13, 1, 30, 4)]
+    for slot in range(4):
+        runner.reset(slot)
+    rows = [2, 0, 3, 1]  # rows in any order, not the slot order
+    ours = runner.prefill(rows, chunks)
+    for i, chunk in enumerate(chunks):
+        ref, _ = reference_run(reference, chunk)
+        assert rel_err(ours[i], ref) <= TOLERANCE, f"row {rows[i]} ({len(chunk)} tokens)"
+    # then one batched decode step over all four continues each row correctly
+    nxt = [5, 6, 7, 8]
+    ours = runner.decode(rows, nxt)
+    for i, chunk in enumerate(chunks):
+        ref, _ = reference_run(reference, chunk + [nxt[i]])
+        assert rel_err(ours[i], ref) <= TOLERANCE
+
+
+def test_rows_not_touched_keep_their_state(pair):
+    runner, _ = pair
+    runner.prefill([0], [[1, 2, 3]])
+    before = runner.read_state(0)
+    runner.prefill([1, 2], [[4, 5], [6]])
+    after = runner.read_state(0)
+    assert all(torch.equal(a, b) for a, b in zip(before.tensors(), after.tensors(), strict=True))
+
+
+def test_bad_rows_are_refused(pair):
+    runner, _ = pair
+    with pytest.raises(ValueError):
+        runner.prefill([0, 0], [[1], [2]])
+    with pytest.raises(ValueError):
+        runner.prefill([9], [[1]])
