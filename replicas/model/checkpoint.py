@@ -110,7 +110,8 @@ def convert(
     if tokenizer is None:
         if config.vocab_size != WORLD_VOCAB_SIZE:
             raise ModelFormatError(
-                f"{source}: vocabulary of {config.vocab_size} is not the World vocabulary's 65536; name one with --tokenizer"
+                f"{source}: vocabulary of {config.vocab_size} is not the World vocabulary's 65536; "
+                "name a tokenizer with --tokenizer"
             )
         tokenizer = WORLD_VOCAB
     eos = _check_tokenizer(tokenizer, config)

@@ -1,0 +1,571 @@
+"""The engine: a continuous batcher that turns concurrent requests into batched model steps.
+
+The model runs on the engine's own thread (model calls block); asyncio callers `submit` a request
+and iterate its events. One step of the loop:
+
+  1. take what callers sent (new requests, cancellations, init-state changes);
+  2. end the rows whose caller left;
+  3. admit waiting requests into free slots: an idle slot whose tokens prefix the prompt
+     continues with no reload; else an empty slot; else the least recently used idle slot,
+     backed into the prefix cache first; then the cache's longest prefix is loaded;
+  4. plan: prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
+     a cache checkpoint boundary), and one token for every generating row;
+  5. run the plan on the runner; sample every row that has fresh logits; emit text.
+
+Every way a row ends (stop, length, cancelled, error) goes through `_finish`: the slot is freed,
+the state (prompt + generated tokens) is published to the prefix cache, and the caller is
+answered exactly once. A model call that raises fails the rows it carried, not the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from torch import Tensor
+
+from .init_states import InitState, InitStateError
+from .output import OutputStream
+from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob
+from .slots import Choice, Phase, SlotTable
+from .state_cache import PrefixStateCache, Snapshot
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ZERO_NAMESPACE = ""  # cache namespace of requests that start from the zero state
+
+
+class EngineConfig(BaseModel):
+    max_slots: int = Field(8, ge=1, description="rows of the state tensors: sequences in flight")
+    max_waiting: int = Field(64, ge=0, description="requests queued for a slot before submit says busy")
+    max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per step, all rows")
+    token_chunk_size: int = Field(256, ge=1, description="prompt tokens one row prefills per step")
+    checkpoint_interval: int = Field(512, ge=1, description="a long prefill is cached every this many tokens")
+    cache_min_tokens: int = Field(32, ge=1, description="shorter prefixes are not cached")
+    device_cache_bytes: int = Field(1 << 30, ge=0, description="prefix cache budget in device memory")
+    host_cache_bytes: int = Field(4 << 30, ge=0, description="prefix cache budget in host memory")
+    max_prompt_tokens: int = Field(1 << 20, ge=1, description="longer prompts are refused")
+
+
+class EngineBusy(RuntimeError):
+    """The waiting queue is full: try again later (HTTP 503 with Retry-After)."""
+
+    def __init__(self, retry_after: float = 1.0):
+        super().__init__("the server is busy: too many requests are waiting")
+        self.retry_after = retry_after
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt is longer than the engine accepts (HTTP 413)."""
+
+
+class UnknownInitState(KeyError):
+    """A request named an init state that is not loaded (HTTP 404)."""
+
+    def __str__(self) -> str:
+        return f"init state {self.args[0]!r} is not loaded"
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Sequence[int]
+    params: SamplingParams = SamplingParams()
+    init_state: str | None = None  # id or name of a loaded init state; None: the default one
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose state came from the cache or a continued slot
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage
+    error: str | None = None
+
+
+Event = Started | Delta | Finished
+
+
+class RequestStream:
+    """One request's events, for the asyncio caller that submitted it.
+
+    Iterate it until `Finished`; `cancel()` (or leaving `Engine.generate`) ends the row.
+    """
+
+    def __init__(self, engine: Engine, uid: int, loop: asyncio.AbstractEventLoop):
+        self.uid = uid
+        self._engine = engine
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        self._done = isinstance(event, Finished)
+        return event
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._send(("cancel", self.uid))
+
+    def _deliver(self, event: Event) -> bool:
+        """Engine thread: hands an event to the caller's loop; False when the caller is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            return True
+        except RuntimeError:  # the caller's event loop is closed
+            return False
+
+
+@dataclass
+class _Row:
+    """One request from submit to finish: the engine thread's record of it."""
+
+    uid: int
+    request: Request
+    stream: RequestStream
+    init: InitState | None
+    output: OutputStream
+    rng: random.Random
+    slot: int | None = None
+    todo: list[int] = field(default_factory=list)  # prompt tokens not yet fed
+    consumed: list[int] = field(default_factory=list)  # tokens the slot's state has consumed
+    cached_tokens: int = 0
+    next_token: int | None = None  # sampled, fed at the next decode step
+    logits: Tensor | None = None  # [V], the logits the next token is sampled (or was sampled) from
+    fresh: bool = False  # logits not yet sampled from
+    cancelled: bool = False
+
+    @property
+    def namespace(self) -> str:
+        return self.init.namespace if self.init else ZERO_NAMESPACE
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+
+class Engine:
+    def __init__(self, runner: Any, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        if self.config.max_slots > runner.max_slots:
+            raise ValueError(f"engine wants {self.config.max_slots} slots, the runner has {runner.max_slots}")
+        self.slots = SlotTable(self.config.max_slots)
+        self.sampler = Sampler(runner.max_slots, runner.vocab_size, runner.device)
+        self.cache = PrefixStateCache(self.config.device_cache_bytes, self.config.host_cache_bytes, runner.device)
+        self.init_states: dict[str, InitState] = {}  # by id; replaced whole, so callers may read it
+        self.stats: Counter[str] = Counter()
+        self._rows: dict[int, _Row] = {}
+        self._waiting: deque[_Row] = deque()
+        self._idle_logits: dict[int, Tensor] = {}  # idle slot -> logits after its tokens
+        self._uids = itertools.count(1)
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._queued = 0  # submitted and not yet holding a slot (guarded by _lock)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- caller side (any thread) -----------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="rwkv-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread and self._thread.is_alive():
+            self._stopping = True
+            self._send(("wake",))
+            self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queues a request; raises InvalidRequest, PromptTooLong, UnknownInitState or EngineBusy."""
+        self._validate(request)
+        init = self.resolve_init_state(request.init_state)
+        with self._lock:
+            if self._queued >= self.config.max_waiting:
+                self.stats["busy_refusals"] += 1
+                raise EngineBusy()
+            self._queued += 1
+        uid = next(self._uids)
+        stream = RequestStream(self, uid, asyncio.get_running_loop())
+        p = request.params
+        row = _Row(uid, request, stream, init, OutputStream(self.tokenizer, p), random.Random(p.seed))
+        self._send(("submit", row))
+        return stream
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Submits and yields the request's events; leaving early cancels the row."""
+        stream = self.submit(request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            stream.cancel()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60) -> Any:
+        """Runs fn on the engine thread between steps (blocking) and returns its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, future))
+        return future.result(timeout)
+
+    def resolve_init_state(self, name: str | None) -> InitState | None:
+        states = self.init_states
+        if name is None:
+            return next((s for s in states.values() if s.default), None)
+        if name in states:
+            return states[name]
+        by_name = [s for s in states.values() if s.name == name]
+        if not by_name:
+            raise UnknownInitState(name)
+        return by_name[0]
+
+    def load_init_state(self, init: InitState) -> None:
+        if not init.state.fits(self.runner.config) or init.state.rows != 1:
+            raise InitStateError("init state does not fit this model")
+        self.call(lambda: self._apply_init_state(init))
+
+    def unload_init_state(self, state_id: str) -> bool:
+        return self.call(lambda: self._drop_init_state(state_id))
+
+    def snapshot_stats(self) -> dict:
+        """Counters, slot occupancy and cache metrics, read on the engine thread."""
+        return self.call(self._stats_now)
+
+    def check_integrity(self) -> None:
+        self.call(self._check_integrity)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    def _validate(self, request: Request) -> None:
+        prompt = request.prompt
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}")
+        vocab = self.runner.vocab_size
+        if any(not (isinstance(t, int) and 0 <= t < vocab) for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        request.params.validate(vocab)
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._take_commands(block=not self._rows)
+            try:
+                self._step()
+            except Exception as err:  # a bug, not a model failure: fail every row, keep serving
+                log.exception("engine step failed")
+                for row in list(self._rows.values()):
+                    self._finish(row, "error", f"internal error: {err}")
+        for row in list(self._rows.values()):
+            self._finish(row, "cancelled")
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            while True:
+                self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "submit":
+            row = command[1]
+            self._rows[row.uid] = row
+            self._waiting.append(row)
+            self.stats["submitted"] += 1
+        elif kind == "cancel" and command[1] in self._rows:
+            self._rows[command[1]].cancelled = True
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn())
+            except Exception as err:
+                future.set_exception(err)
+
+    def _step(self) -> None:
+        for row in [r for r in self._rows.values() if r.cancelled]:
+            self._finish(row, "cancelled")
+        self._admit()
+        prefill = self._plan_prefill()
+        decode = [r for r in self._rows.values() if r.next_token is not None]
+        self._run_prefill(prefill)
+        self._run_decode(decode)
+        self._sample([r for r in self._rows.values() if r.fresh])
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self._waiting:
+            row = self._waiting[0]
+            choice = self.slots.choose(row.namespace, row.request.prompt)
+            if choice is None:
+                return
+            self._waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            if choice.kind is Choice.BACK:
+                self._back_up(choice.slot, choice.namespace, choice.prefix)
+            self._idle_logits.pop(choice.slot, None)
+            self.slots.occupy(choice.slot, row.uid)
+            self.sampler.reset(choice.slot)
+            row.slot = choice.slot
+            self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
+            row.stream._deliver(Started(row.prompt_len, row.cached_tokens))
+
+    def _back_up(self, slot: int, namespace: str, tokens: tuple[int, ...]) -> None:
+        """An idle slot is about to be reused: keep its state in the cache unless it is there."""
+        logits = self._idle_logits.get(slot)
+        worth = logits is not None and len(tokens) >= self.config.cache_min_tokens
+        if worth and not self.cache.contains(namespace, tokens):
+            self.cache.insert(namespace, tokens, Snapshot(self.runner.read_state(slot), logits))
+
+    def _load_start_state(self, row: _Row, continued: tuple[int, ...] | None) -> None:
+        prompt = list(row.request.prompt)
+        if continued is not None:  # the slot already holds the state after `continued`
+            start = len(continued)
+            self.stats["continued_tokens"] += start
+        else:
+            snapshot, start = self.cache.match(row.namespace, prompt)
+            if snapshot is not None:
+                self.runner.write_state(row.slot, snapshot.state)
+                if start == len(prompt):  # an exact hit: the cached logits give the first token
+                    row.logits, row.fresh = snapshot.logits, True
+            elif row.init is not None:
+                self.runner.write_state(row.slot, row.init.state)
+            else:
+                self.runner.reset(row.slot)
+        row.consumed, row.todo, row.cached_tokens = prompt[:start], prompt[start:], start
+        if not row.todo:
+            self.slots.start_generating(row.slot)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _plan_prefill(self) -> list[tuple[_Row, list[int]]]:
+        """Prompt chunks for this step, oldest request first, within the step's token budget."""
+        budget = self.config.max_prefill_tokens
+        plan = []
+        for row in self._rows.values():
+            if budget == 0:
+                break
+            if row.slot is None or not row.todo:
+                continue
+            to_checkpoint = self.config.checkpoint_interval - len(row.consumed) % self.config.checkpoint_interval
+            n = min(len(row.todo), self.config.token_chunk_size, budget, to_checkpoint)
+            plan.append((row, row.todo[:n]))
+            budget -= n
+        return plan
+
+    def _run_prefill(self, plan: list[tuple[_Row, list[int]]]) -> None:
+        if not plan:
+            return
+        rows = [row for row, _ in plan]
+        logits = self._model_call("prefill", rows, [row.slot for row in rows], [chunk for _, chunk in plan])
+        if logits is None:
+            return
+        for i, (row, chunk) in enumerate(plan):
+            row.consumed += chunk
+            row.todo = row.todo[len(chunk) :]
+            row.logits = logits[i]
+            self.stats["prefilled_tokens"] += len(chunk)
+            at_checkpoint = len(row.consumed) % self.config.checkpoint_interval == 0
+            if not row.todo or at_checkpoint:
+                self._publish(row)
+            if not row.todo:
+                row.fresh = True
+                self.slots.start_generating(row.slot)
+
+    def _run_decode(self, rows: list[_Row]) -> None:
+        if not rows:
+            return
+        tokens = [row.next_token for row in rows]
+        logits = self._model_call("decode", rows, [row.slot for row in rows], tokens)
+        if logits is None:
+            return
+        for i, row in enumerate(rows):
+            row.consumed.append(row.next_token)
+            row.next_token, row.logits, row.fresh = None, logits[i], True
+
+    def _model_call(self, kind: str, rows: list[_Row], slots: list[int], inputs: list) -> Tensor | None:
+        """One runner call; if it raises, its rows fail and the rest of the batch goes on."""
+        started = time.perf_counter()
+        try:
+            logits = getattr(self.runner, kind)(slots, inputs)
+        except Exception as err:
+            log.exception("%s failed for %d rows", kind, len(rows))
+            for row in rows:
+                self._finish(row, "error", f"model {kind} failed: {err}")
+            return None
+        self.stats[f"{kind}_calls"] += 1
+        self.stats[f"{kind}_us"] += int(1e6 * (time.perf_counter() - started))
+        return logits
+
+    def _sample(self, rows: list[_Row]) -> None:
+        if not rows:
+            return
+        params = [row.request.params for row in rows]
+        try:
+            logits = torch.stack([row.logits for row in rows])
+            out = self.sampler.sample(logits, [row.slot for row in rows], params, [row.rng.random() for row in rows])
+        except Exception as err:
+            log.exception("sampling failed")
+            for row in rows:
+                self._finish(row, "error", f"sampling failed: {err}")
+            return
+        for row, token, logprob in zip(rows, out.tokens, out.logprobs, strict=True):
+            row.fresh = False
+            step = row.output.push(token)
+            self.stats["generated_tokens"] += 1
+            row.stream._deliver(Delta(step.text, (token,), None if logprob is None else (logprob,)))
+            if step.finish:
+                self._finish(row, step.finish)
+            else:
+                row.next_token = token
+
+    # -- the one way out ---------------------------------------------------------------------
+
+    def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
+        """Ends a row however it ended: frees its slot, publishes its state, answers once."""
+        if self._rows.pop(row.uid, None) is None:
+            return  # already answered
+        if row.slot is None:
+            self._waiting.remove(row)
+            with self._lock:
+                self._queued -= 1
+        elif reason == "error":
+            self._reset_quietly(row.slot)  # a failed call may have left the row half-written
+            self.slots.release(row.slot)
+        else:
+            if row.logits is not None and row.consumed:
+                self._publish(row)
+                self._idle_logits[row.slot] = row.logits.clone()
+            self.slots.release(row.slot, row.namespace, row.consumed)
+        if reason in ("length", "cancelled"):
+            tail = row.output.release()
+            if tail and reason == "length":
+                row.stream._deliver(Delta(tail, ()))
+        completion = row.output.count
+        usage = Usage(row.prompt_len, completion, row.cached_tokens)
+        self.stats[f"finished_{reason}"] += 1
+        row.stream._deliver(Finished(reason, usage, error))
+
+    def _reset_quietly(self, slot: int) -> None:
+        try:
+            self.runner.reset(slot)
+        except Exception:
+            log.exception("resetting slot %d failed", slot)
+
+    def _publish(self, row: _Row) -> None:
+        """Caches the state after the row's consumed tokens, with the logits that follow them."""
+        if len(row.consumed) < self.config.cache_min_tokens or self.cache.contains(row.namespace, row.consumed):
+            return
+        logits = row.logits.clone()
+        row.logits = logits  # the row and the cache now share one immutable copy
+        self.cache.insert(row.namespace, row.consumed, Snapshot(self.runner.read_state(row.slot), logits))
+
+    # -- init states and inspection (engine thread, through `call`) ---------------------------
+
+    def _apply_init_state(self, init: InitState) -> None:
+        states = dict(self.init_states)
+        old = states.pop(init.id, None)
+        if old is not None:
+            self._forget_namespace(old.namespace)
+        if init.default:
+            states = {k: _replace_default(v, False) for k, v in states.items()}
+        states[init.id] = init
+        self.init_states = states
+
+    def _drop_init_state(self, state_id: str) -> bool:
+        states = dict(self.init_states)
+        old = states.pop(state_id, None)
+        self.init_states = states
+        if old is None:
+            return False
+        self._forget_namespace(old.namespace)
+        return True
+
+    def _forget_namespace(self, namespace: str) -> None:
+        """Rows already running keep their copied state; only cached and idle copies go."""
+        self.cache.drop_namespace(namespace)
+        for slot in self.slots.slots:
+            if slot.phase is Phase.IDLE and slot.namespace == namespace:
+                self._idle_logits.pop(slot.index, None)
+        self.slots.forget(namespace)
+
+    def _stats_now(self) -> dict:
+        return {
+            "slots": {
+                "capacity": self.slots.size,
+                **{phase.value: self.slots.count(phase) for phase in Phase},
+            },
+            "waiting": len(self._waiting),
+            "running": len(self._rows) - len(self._waiting),
+            "counters": dict(self.stats),
+            "cache": self.cache.metrics.as_dict(),
+            "init_states": sorted(self.init_states),
+        }
+
+    def _check_integrity(self) -> None:
+        holders = {row.uid for row in self._rows.values() if row.slot is not None}
+        self.slots.check_integrity(holders)
+        for row in self._rows.values():
+            if row.slot is not None:
+                assert self.slots.holder(row.slot) == row.uid, f"row {row.uid} and slot {row.slot} disagree"
+        assert all(row.slot is None for row in self._waiting)
+        with self._lock:
+            assert self._queued >= len(self._waiting)
+        assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
+        self.cache.check_integrity()
+
+
+def _replace_default(init: InitState, default: bool) -> InitState:
+    if init.default == default:
+        return init
+    return InitState(init.id, init.name, init.state, default, init.version)

@@ -1,0 +1,67 @@
+"""One request's output: tokens -> text that is safe to show, and the reason it ends.
+
+Owns detokenizing (never half a UTF-8 character), stop strings (text that could still become a
+stop string is held back, so a client never sees the start of one), stop tokens, end of text and
+max_tokens. Never touches the model or the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer, Utf8Stream
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one sampled token produced: text now safe to emit, and the finish reason if it ended."""
+
+    text: str
+    finish: str | None = None  # "stop" | "length" | None
+
+
+class OutputStream:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.params = params
+        self.utf8 = Utf8Stream(tokenizer)
+        self.end_tokens = set(params.stop_token_ids)
+        if tokenizer.eos_token_id is not None and not params.ignore_eos:
+            self.end_tokens.add(tokenizer.eos_token_id)
+        self.held = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self.count = 0  # tokens sampled so far, end tokens included
+
+    def push(self, token: int) -> Step:
+        """Takes the next sampled token."""
+        self.count += 1
+        if token in self.end_tokens:
+            return Step(self.release(), "stop")
+        self.held += self.utf8.push(token)
+        cut = self._stop_at()
+        if cut is not None:
+            text, self.held = self.held[:cut], ""
+            return Step(text, "stop")
+        if self.count >= self.params.max_tokens:
+            return Step(self.release(), "length")
+        keep = self._possible_stop_start()
+        text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return Step(text)
+
+    def release(self) -> str:
+        """Everything held back, for a row that ends for a reason other than a stop string."""
+        text, self.held = self.held + self.utf8.flush(), ""
+        return text
+
+    def _stop_at(self) -> int | None:
+        found = [i for i in (self.held.find(s) for s in self.params.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _possible_stop_start(self) -> int:
+        """Length of the longest tail of the held text that begins some stop string."""
+        longest = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(self.held)), longest, -1):
+                if self.held.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,297 @@
+"""The prefix-state cache: snapshots of RNN states keyed by the token prefix that produced them.
+
+An RWKV state of any prefix is a fixed-size snapshot, so a prompt that extends a cached prefix
+skips that prefix's prefill entirely; a snapshot keeps the logits after its prefix too, so an
+exact hit needs no model call at all.
+
+Owns: one radix trie of token prefixes per namespace (an init state), the snapshots, two tiers
+with byte budgets (device memory, then host memory: a snapshot evicted from the device tier moves
+to the host before it is dropped), LRU order, hit/miss metrics, and a log of compact events
+(insert / evict by key) that a router can follow. Never touches scheduling or slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .model.state import RNNState
+
+DEVICE, HOST = "device", "host"
+
+
+@dataclass
+class Snapshot:
+    state: RNNState  # one row
+    logits: Tensor  # [V] fp32, the next-token logits after the prefix
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + self.logits.numel() * self.logits.element_size()
+
+    def to(self, device: torch.device | str) -> Snapshot:
+        return Snapshot(self.state.to(device), self.logits.to(device))
+
+
+def prefix_key(namespace: str, tokens: Sequence[int]) -> str:
+    """A stable name for (namespace, prefix), the same in every process: for events and export."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(namespace.encode())
+    digest.update(b"\0")
+    digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    kind: str  # "insert" | "evict"
+    key: str
+    namespace: str
+    length: int
+
+
+@dataclass
+class CacheMetrics:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0  # prefill tokens saved by hits
+    inserts: int = 0
+    evictions: int = 0  # snapshots dropped from the cache
+    demotions: int = 0  # snapshots moved from the device tier to the host tier
+    bytes: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+    entries: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+
+    def as_dict(self) -> dict:
+        flat = {k: v for k, v in vars(self).items() if not isinstance(v, dict)}
+        for tier in (DEVICE, HOST):
+            flat[f"{tier}_bytes"] = self.bytes[tier]
+            flat[f"{tier}_entries"] = self.entries[tier]
+        return flat
+
+
+@dataclass
+class _Entry:
+    namespace: str
+    tokens: tuple[int, ...]
+    snapshot: Snapshot
+    tier: str
+
+
+class _Node:
+    __slots__ = ("edges", "entry")
+
+    def __init__(self) -> None:
+        self.edges: dict[int, tuple[tuple[int, ...], _Node]] = {}  # first token -> (label, child)
+        self.entry: _Entry | None = None
+
+
+class _Trie:
+    """Radix trie over token tuples: one node per branching point or entry, not per token."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def longest(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
+        node, i, best = self.root, 0, (None, 0)
+        while True:
+            if node.entry is not None:
+                best = (node.entry, i)
+            if i == len(tokens) or tokens[i] not in node.edges:
+                return best
+            label, child = node.edges[tokens[i]]
+            if tokens[i : i + len(label)] != label:
+                return best
+            node, i = child, i + len(label)
+
+    def insert(self, tokens: tuple[int, ...], entry: _Entry) -> _Entry | None:
+        """Places entry at tokens; returns the entry it replaced, if any."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            if tokens[i] not in node.edges:
+                child = _Node()
+                node.edges[tokens[i]] = (tokens[i:], child)
+                node, i = child, len(tokens)
+                break
+            label, child = node.edges[tokens[i]]
+            common = _common_prefix(label, tokens[i:])
+            if common < len(label):  # split the edge at the divergence
+                middle = _Node()
+                middle.edges[label[common]] = (label[common:], child)
+                node.edges[tokens[i]] = (label[:common], middle)
+                child = middle
+            node, i = child, i + common
+        old, node.entry = node.entry, entry
+        return old
+
+    def remove(self, tokens: tuple[int, ...]) -> None:
+        path: list[tuple[_Node, int]] = []  # (parent, first token of the edge taken)
+        node, i = self.root, 0
+        while i < len(tokens):
+            label, child = node.edges[tokens[i]]
+            path.append((node, tokens[i]))
+            node, i = child, i + len(label)
+        node.entry = None
+        # prune: drop empty leaves, and merge a node left with one child into its parent edge
+        while path and node.entry is None and len(node.edges) <= 1:
+            parent, first = path.pop()
+            label, _ = parent.edges[first]
+            if not node.edges:
+                del parent.edges[first]
+            else:
+                (tail, grandchild), = node.edges.values()
+                parent.edges[first] = (label + tail, grandchild)
+            node = parent
+
+    def __iter__(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.entry is not None:
+                yield node.entry
+            stack.extend(child for _, child in node.edges.values())
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixStateCache:
+    def __init__(
+        self, device_bytes: int, host_bytes: int, device: torch.device | str = "cpu", max_events: int = 4096
+    ):
+        self.budget = {DEVICE: device_bytes, HOST: host_bytes}
+        self.device = torch.device(device)
+        self.tries: dict[str, _Trie] = {}
+        self.lru: dict[str, OrderedDict[tuple[str, tuple[int, ...]], _Entry]] = {
+            DEVICE: OrderedDict(), HOST: OrderedDict()
+        }
+        self.metrics = CacheMetrics()
+        self.events: deque[CacheEvent] = deque(maxlen=max_events)
+
+    def match(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
+        """Longest cached prefix of tokens: (snapshot, its length), or (None, 0).
+
+        Counts the lookup and refreshes the entry's LRU place; a host-tier hit moves back to the
+        device tier. The snapshot is shared: copy it into a slot, never modify it.
+        """
+        self.metrics.lookups += 1
+        trie = self.tries.get(namespace)
+        entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
+        if entry is None:
+            self.metrics.misses += 1
+            return None, 0
+        self.metrics.hits += 1
+        self.metrics.hit_tokens += length
+        self._place(entry, DEVICE)
+        return entry.snapshot, length
+
+    def contains(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """Whether exactly this prefix is cached. Changes nothing, counts nothing."""
+        trie = self.tries.get(namespace)
+        return bool(tokens) and trie is not None and trie.longest(tuple(tokens))[1] == len(tokens)
+
+    def insert(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
+        """Caches a snapshot (the cache keeps it; the caller hands over ownership).
+
+        Replaces an entry with the same key. Returns False when the snapshot is larger than the
+        whole device budget and is not kept.
+        """
+        tokens = tuple(tokens)
+        if not tokens or snapshot.nbytes > self.budget[DEVICE]:
+            return False
+        entry = _Entry(namespace, tokens, snapshot.to(self.device), DEVICE)
+        old = self.tries.setdefault(namespace, _Trie()).insert(tokens, entry)
+        if old is not None:
+            self._unaccount(old)
+        self._account(entry)
+        self.metrics.inserts += 1
+        self.events.append(CacheEvent("insert", prefix_key(namespace, tokens), namespace, len(tokens)))
+        self._enforce_budgets()
+        return True
+
+    def drop_namespace(self, namespace: str) -> None:
+        """Forgets every snapshot of a namespace (an init state that was unloaded)."""
+        trie = self.tries.pop(namespace, None)
+        for entry in list(trie or ()):
+            self._unaccount(entry)
+            self._evicted(entry)
+
+    def export(self, namespace: str, tokens: Sequence[int]) -> Snapshot | None:
+        """A host copy of exactly this prefix's snapshot, to move it elsewhere. Counts nothing."""
+        trie = self.tries.get(namespace)
+        entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
+        if entry is None or length != len(tokens):
+            return None
+        return entry.snapshot.to("cpu")
+
+    def keys(self) -> list[tuple[str, int]]:
+        """(key, prefix length) of every snapshot held: the summary a router can read."""
+        return [(prefix_key(e.namespace, e.tokens), len(e.tokens)) for lru in self.lru.values() for e in lru.values()]
+
+    def drain_events(self) -> list[CacheEvent]:
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+    def check_integrity(self) -> None:
+        """Bytes per tier == sum of its entries; the LRU lists and the tries hold the same entries."""
+        in_tries = {(e.namespace, e.tokens): e for trie in self.tries.values() for e in trie}
+        in_lru = {key: e for lru in self.lru.values() for key, e in lru.items()}
+        assert in_tries.keys() == in_lru.keys(), "trie and LRU disagree"
+        for tier, lru in self.lru.items():
+            assert all(e.tier == tier for e in lru.values())
+            assert self.metrics.bytes[tier] == sum(e.snapshot.nbytes for e in lru.values()), f"{tier} bytes"
+            assert self.metrics.entries[tier] == len(lru)
+            assert self.metrics.bytes[tier] <= self.budget[tier], f"{tier} over budget"
+
+    # -- tiers -----------------------------------------------------------------------------
+
+    def _key(self, entry: _Entry) -> tuple[str, tuple[int, ...]]:
+        return entry.namespace, entry.tokens
+
+    def _account(self, entry: _Entry) -> None:
+        self.lru[entry.tier][self._key(entry)] = entry
+        self.metrics.bytes[entry.tier] += entry.snapshot.nbytes
+        self.metrics.entries[entry.tier] += 1
+
+    def _unaccount(self, entry: _Entry) -> None:
+        del self.lru[entry.tier][self._key(entry)]
+        self.metrics.bytes[entry.tier] -= entry.snapshot.nbytes
+        self.metrics.entries[entry.tier] -= 1
+
+    def _place(self, entry: _Entry, tier: str) -> None:
+        """Moves entry to the most recently used end of `tier` (copying its tensors if needed)."""
+        self._unaccount(entry)
+        if tier != entry.tier:
+            entry.snapshot = entry.snapshot.to(self.device if tier == DEVICE else "cpu")
+            entry.tier = tier
+        self._account(entry)
+        self._enforce_budgets()
+
+    def _enforce_budgets(self) -> None:
+        while self.metrics.bytes[DEVICE] > self.budget[DEVICE]:
+            _, oldest = next(iter(self.lru[DEVICE].items()))
+            self.metrics.demotions += 1
+            self._unaccount(oldest)
+            oldest.snapshot, oldest.tier = oldest.snapshot.to("cpu"), HOST
+            self._account(oldest)
+        while self.metrics.bytes[HOST] > self.budget[HOST]:
+            _, oldest = next(iter(self.lru[HOST].items()))
+            self._unaccount(oldest)
+            self.tries[oldest.namespace].remove(oldest.tokens)
+            self._evicted(oldest)
+
+    def _evicted(self, entry: _Entry) -> None:
+        self.metrics.evictions += 1
+        key = prefix_key(entry.namespace, entry.tokens)
+        self.events.append(CacheEvent("evict", key, entry.namespace, len(entry.tokens)))
