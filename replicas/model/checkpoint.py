@@ -85,11 +85,12 @@ def check_tensors(tensors: dict[str, Tensor], origin: str) -> tuple[ModelConfig,
 def read_pth(path: Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # torch raises many types for a file that is not a checkpoint
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelFormatError(f"{path}: not a PyTorch checkpoint ({reason[:120]})") from None
+    for mmap in (True, False):  # files from torch's legacy (non-zip) format cannot be mapped
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception:  # torch raises many types for a file that is not a checkpoint
+            continue
+    raise ModelFormatError(f"{path}: not a PyTorch checkpoint (torch.load cannot read it)")
 
 
 def convert(

@@ -1,0 +1,42 @@
+"""Opening a model directory for serving: weights on a device, a runner over them, the tokenizer.
+
+The one place that decides the device and dtype a model runs in: fp32 on the CPU (exact against
+the reference), bf16 weights with an fp32 state on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..tokenizer import Tokenizer, load_tokenizer
+from .checkpoint import Progress, _quiet, load_model
+from .config import ModelCard
+from .runner import ModelRunner
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_model_dir() -> Path:
+    """The demo model that ships in the repository (models/demo)."""
+    return REPO_ROOT / "models" / "demo"
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def open_model(
+    directory: Path | None, max_slots: int, device: str | None = None, progress: Progress = _quiet
+) -> tuple[ModelRunner, Tokenizer, ModelCard]:
+    directory = Path(directory) if directory else default_model_dir()
+    where = pick_device(device)
+    dtype = torch.float32 if where.type == "cpu" else torch.bfloat16
+    model, card = load_model(directory, where, dtype, progress)
+    tokenizer = load_tokenizer(directory / card.tokenizer)
+    if card.eos_token_id is not None and tokenizer.eos_token_id is None:
+        tokenizer.eos_token_id = card.eos_token_id
+    return ModelRunner(model, max_slots), tokenizer, card

@@ -1,0 +1,129 @@
+"""The `rwkv-fleet` command: serve | generate | convert.
+
+Every failure a user can cause ends as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A failure to report as one line."""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    import torch
+
+    from replicas.model.checkpoint import convert
+
+    dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    convert(Path(args.source), Path(args.out_dir), Path(args.tokenizer) if args.tokenizer else None,
+            dtype=dtype, name=args.name, progress=_say)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from replicas.engine import Delta, Engine, EngineConfig, Finished, Request
+    from replicas.model.loader import open_model
+    from replicas.sampling import SamplingParams
+
+    runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=_say)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop or ()),
+    )
+    prompt = tokenizer.encode(args.prompt)
+    engine = Engine(runner, tokenizer, EngineConfig(max_slots=1, max_prompt_tokens=1 << 30))
+
+    async def stream() -> Finished | None:
+        finished = None
+        async for event in engine.generate(Request(prompt, params)):
+            if isinstance(event, Delta) and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Finished):
+                finished = event
+        return finished
+
+    engine.start()
+    try:
+        finished = asyncio.run(stream())
+    finally:
+        engine.stop()
+    sys.stdout.write("\n")
+    if finished is not None and finished.reason == "error":
+        raise CliError(finished.error or "generation failed")
+    if finished is not None:
+        u = finished.usage
+        _say(f"[{card.name}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, {finished.reason}]")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from serve_app.serve import serve  # noqa: PLC0415 - Ray is imported only when serving
+
+    serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rwkv-fleet", description="Serve RWKV-7 models on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert a BlinkDL .pth checkpoint into a model directory")
+    convert.add_argument("source", help="the .pth file")
+    convert.add_argument("out_dir", help="the model directory to write")
+    convert.add_argument(
+        "--tokenizer", help="tokenizer.json or World .txt vocabulary (default: World, for 65536 tokens)")
+    convert.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep",
+                         help="dtype to store the weights in (default: as in the checkpoint)")
+    convert.add_argument("--name", help="model name clients use (default: the file's stem)")
+    convert.set_defaults(run=cmd_convert)
+
+    generate = sub.add_parser("generate", help="continue a prompt with a model, no server (for a first look)")
+    generate.add_argument("prompt", help="text to continue (no chat template is added)")
+    generate.add_argument("--model", help="model directory (default: the embedded demo model)")
+    generate.add_argument("--max-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    generate.add_argument("--top-p", type=float, default=0.8)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
+    generate.set_defaults(run=cmd_generate)
+
+    serve = sub.add_parser("serve", help="start a local Ray and serve the OpenAI-compatible API")
+    serve.add_argument("--model", help="model directory (default: the embedded demo model)")
+    serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    serve.add_argument("--replicas", type=int, help="number of model replicas")
+    serve.add_argument("--config", help="a YAML/JSON app config file; flags override it")
+    serve.set_defaults(run=cmd_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from replicas.model.config import ModelFormatError  # noqa: PLC0415
+    from replicas.sampling import InvalidRequest  # noqa: PLC0415
+
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except (CliError, ModelFormatError, InvalidRequest, ValueError, OSError) as err:
+        _say(f"rwkv-fleet {args.command}: error: {err}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
