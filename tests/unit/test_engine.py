@@ -1,0 +1,513 @@
+"""The engine on a real model (CPU, no Ray): batching, slots, cache, cancellation, failures.
+
+Every scenario ends with `check_integrity()`: free + used slots == capacity, every used slot held
+by a live request, cache bytes == the sum of its entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import pytest
+import torch
+
+from replicas.engine import Delta, Engine, EngineBusy, EngineConfig, Finished, Request, Started, UnknownInitState
+from replicas.init_states import InitState, InitStateError
+from replicas.model.loader import open_model
+from replicas.model.state import RNNState
+from replicas.sampling import InvalidRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def parts(demo_model_dir):
+    runner, tokenizer, _ = open_model(demo_model_dir, max_slots=4, device="cpu")
+    return runner.model, tokenizer
+
+
+def make_engine(parts, **config) -> Engine:
+    from replicas.model.runner import ModelRunner
+
+    model, tokenizer = parts
+    settings = {"max_slots": 4, "cache_min_tokens": 8, "token_chunk_size": 16, "max_prefill_tokens": 48,
+                "checkpoint_interval": 32, **config}
+    return Engine(ModelRunner(model, settings["max_slots"]), tokenizer, EngineConfig(**settings)).start()
+
+
+class Result:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.text = ""
+        self.started: Started | None = None
+        self.finished: Finished | None = None
+
+
+async def collect(engine: Engine, request: Request, delay: float = 0.0) -> Result:
+    await asyncio.sleep(delay)
+    result = Result()
+    async for event in engine.generate(request):
+        if isinstance(event, Started):
+            result.started = event
+        elif isinstance(event, Delta):
+            result.tokens += event.token_ids
+            result.text += event.text
+        else:
+            result.finished = event
+    return result
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def gather(*coros):
+    return await asyncio.gather(*coros)
+
+
+def settle(engine: Engine) -> dict:
+    """Waits until no request holds a slot, checks integrity, returns the stats."""
+    for _ in range(200):
+        stats = engine.snapshot_stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            engine.check_integrity()
+            assert stats["slots"]["idle"] == stats["slots"]["capacity"]
+            return stats
+        import time
+
+        time.sleep(0.02)
+    raise AssertionError(f"engine did not settle: {stats}")
+
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n    ",
+    "class Parser:\n    \"\"\"Parse a configuration file.\"\"\"\n\n    def __init__(self, path):\n",
+    "    for i in range(len(items)):\n        if items[i] is None:\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
+    "# Copyright notice\n\"\"\"Utilities for working with temporary files.\"\"\"\n\nimport ",
+    "        except KeyError:\n            raise ValueError('unknown key: %r' % (key,))\n",
+]
+
+
+@pytest.fixture(scope="module")
+def alone(parts):
+    """Each prompt's greedy tokens, generated alone in a fresh engine with a cold cache."""
+    out = {}
+    for prompt in PROMPTS:
+        engine = make_engine(parts)
+        try:
+            result = run(collect(engine, Request(parts[1].encode(prompt), GREEDY)))
+            assert result.started.cached_tokens == 0
+            out[prompt] = result.tokens
+            settle(engine)
+        finally:
+            engine.stop()
+    return out
+
+
+def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, alone):
+    engine = make_engine(parts)
+    try:
+        async def scenario():
+            jobs = []
+            for i, prompt in enumerate(PROMPTS):
+                n = [6, 24, 11, 24, 17, 24][i]  # rows leave at different steps
+                params = SamplingParams(max_tokens=n, temperature=0.0)
+                jobs.append(collect(engine, Request(parts[1].encode(prompt), params), delay=0.01 * i))
+            return await asyncio.gather(*jobs)
+
+        results = run(scenario())
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            n = len(result.tokens)
+            assert result.tokens == alone[prompt][:n]
+            assert result.finished.reason == "length"
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_greedy_is_the_same_on_a_cache_hit_and_on_a_continued_slot(parts, alone):
+    engine = make_engine(parts, max_slots=2)
+    tok = parts[1]
+    try:
+        first = run(collect(engine, Request(tok.encode(PROMPTS[1]), GREEDY)))
+        assert first.tokens == alone[PROMPTS[1]]
+        # fill both slots with other prompts, so the next identical prompt must come from the cache
+        run(gather(*(collect(engine, Request(tok.encode(p), GREEDY)) for p in PROMPTS[2:4])))
+        hit = run(collect(engine, Request(tok.encode(PROMPTS[1]), GREEDY)))
+        assert hit.started.cached_tokens == len(tok.encode(PROMPTS[1]))
+        assert hit.tokens == alone[PROMPTS[1]]
+        stats = settle(engine)
+        assert stats["cache"]["hits"] >= 1
+
+        # the next turn extends what the slot consumed: it continues the slot with no reload
+        consumed = tok.encode(PROMPTS[1]) + hit.tokens[:-1]
+        turn = consumed + [hit.tokens[-1]] + tok.encode("\n    return None\n")
+        before = stats["counters"].get("continued_tokens", 0)
+        continued = run(collect(engine, Request(turn, GREEDY)))
+        stats = settle(engine)
+        assert stats["counters"]["continued_tokens"] - before == len(consumed)
+        assert continued.started.cached_tokens == len(consumed)
+    finally:
+        engine.stop()
+    cold = make_engine(parts)
+    try:
+        assert run(collect(cold, Request(turn, GREEDY))).tokens == continued.tokens
+        settle(cold)
+    finally:
+        cold.stop()
+
+
+def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
+    engine = make_engine(parts)
+    tok = parts[1]
+    base = tok.encode("".join(PROMPTS))  # well over two checkpoint intervals of 32 tokens
+    try:
+        run(collect(engine, Request(base, SamplingParams(max_tokens=2, temperature=0.0))))
+        other = base[:70] + tok.encode("pass\n")  # shares 70 tokens: the checkpoint at 64 serves it
+        result = run(collect(engine, Request(other, GREEDY)))
+        assert result.started.cached_tokens == 64
+        stats = settle(engine)
+        assert stats["counters"]["prefill_calls"] >= len(base) // 48  # the budget per step held
+    finally:
+        engine.stop()
+    cold = make_engine(parts)
+    try:
+        assert run(collect(cold, Request(other, GREEDY))).tokens == result.tokens
+    finally:
+        cold.stop()
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(parts):
+    tok = parts[1]
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234)
+    noisy = SamplingParams(max_tokens=30, temperature=1.0, top_k=50)
+    engine = make_engine(parts)
+    try:
+        alone_result = run(collect(engine, Request(tok.encode(PROMPTS[0]), seeded)))
+
+        async def crowded():
+            others = [collect(engine, Request(tok.encode(p), noisy), delay=0.005 * i)
+                      for i, p in enumerate(PROMPTS[2:])]
+            mine = collect(engine, Request(tok.encode(PROMPTS[0]), seeded), delay=0.01)
+            return (await asyncio.gather(mine, *others))[0]
+
+        assert run(crowded()).tokens == alone_result.tokens
+        other_seed = run(collect(engine, Request(tok.encode(PROMPTS[0]), SamplingParams(
+            max_tokens=20, temperature=1.0, top_p=0.9, seed=99))))
+        assert other_seed.tokens != alone_result.tokens
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_cancel_mid_generation_frees_the_slot(parts):
+    engine = make_engine(parts)
+    try:
+        async def leave_early():
+            seen = 0
+            async for event in engine.generate(Request(parts[1].encode(PROMPTS[0]), SamplingParams(max_tokens=10_000))):
+                seen += isinstance(event, Delta)
+                if seen == 5:
+                    break  # the client goes away
+            return seen
+
+        assert run(leave_early()) == 5
+        stats = settle(engine)
+        assert stats["counters"]["finished_cancelled"] == 1
+    finally:
+        engine.stop()
+
+
+def test_stress_random_submit_cancel_finish_leaks_nothing(parts):
+    engine = make_engine(parts, max_slots=3, max_waiting=6)
+    tok = parts[1]
+    rng = random.Random(7)
+    outcomes = {"busy": 0, "done": 0, "cancelled": 0}
+    try:
+        async def stress():
+            tasks: list[asyncio.Task] = []
+            for _ in range(500):
+                action = rng.random()
+                live = [t for t in tasks if not t.done()]
+                if action < 0.55:
+                    prompt = tok.encode(rng.choice(PROMPTS))[: rng.randint(1, 40)]
+                    params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
+                                            seed=rng.randint(0, 9))
+                    try:
+                        stream = engine.submit(Request(prompt, params))
+                    except EngineBusy:
+                        outcomes["busy"] += 1
+                        continue
+                    tasks.append(asyncio.create_task(_drain(stream)))
+                elif action < 0.75 and live:
+                    rng.choice(live).cancel()
+                else:
+                    await asyncio.sleep(rng.random() * 0.01)
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, asyncio.CancelledError):
+                    outcomes["cancelled"] += 1
+                else:
+                    assert isinstance(result, Finished), result
+                    assert result.reason in ("stop", "length", "cancelled")
+                    outcomes["done"] += 1
+
+        run(stress())
+        stats = settle(engine)
+        c = stats["counters"]
+        finished = sum(v for k, v in c.items() if k.startswith("finished_"))
+        assert finished == c["submitted"] == outcomes["done"] + outcomes["cancelled"]
+        assert outcomes["busy"] == c.get("busy_refusals", 0)
+        assert stats["cache"]["device_bytes"] <= engine.config.device_cache_bytes
+    finally:
+        engine.stop()
+
+
+async def _drain(stream) -> Finished:
+    try:
+        async for event in stream:
+            if isinstance(event, Finished):
+                return event
+    finally:
+        stream.cancel()
+    raise AssertionError("stream ended without Finished")
+
+
+def test_stop_string_split_across_tokens_is_cut_and_never_shown(parts):
+    tok = parts[1]
+    engine = make_engine(parts)
+    try:
+        free = run(collect(engine, Request(tok.encode(PROMPTS[3]), SamplingParams(max_tokens=40, temperature=0.0))))
+        pieces = [tok.decode([t]) for t in free.tokens]
+        # a stop string that starts inside one token and ends inside a later one
+        i = next(i for i in range(3, len(pieces) - 2) if len(pieces[i]) >= 2 and pieces[i + 1])
+        start = sum(len(p) for p in pieces[:i]) + 1
+        stop = free.text[start : start + len(pieces[i]) - 1 + 2]
+        assert stop and stop not in free.text[:start]
+        deltas = []
+
+        async def watch():
+            params = SamplingParams(max_tokens=40, temperature=0.0, stop=(stop,))
+            async for event in engine.generate(Request(tok.encode(PROMPTS[3]), params)):
+                if isinstance(event, Delta):
+                    deltas.append(event.text)
+                elif isinstance(event, Finished):
+                    return event
+
+        finished = run(watch())
+        assert finished.reason == "stop"
+        assert "".join(deltas) == free.text[: free.text.index(stop)]
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_multibyte_characters_split_across_tokens_stream_whole(random_model_dir):
+    """On the World vocabulary every byte is a token: bias generation towards the bytes of "中文"
+    so characters arrive split over three tokens, and check no delta ever shows half of one."""
+    runner, tok, _ = open_model(random_model_dir, max_slots=2, device="cpu")
+    engine = Engine(runner, tok, EngineConfig(max_slots=2)).start()
+    byte_tokens = {b + 1: 100.0 for b in "中文".encode()}  # World ids 1..256 are the bytes 0..255
+    try:
+        whole_chars = 0
+        for seed in range(8):
+            params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed, logit_bias=byte_tokens)
+            result = run(collect(engine, Request([33], params)))
+            assert set(result.tokens) <= set(byte_tokens)
+            # streamed text == decoding all tokens at once: nothing was emitted before it was whole
+            assert result.text == tok.decode(result.tokens)
+            whole_chars += result.text.count("中") + result.text.count("文")
+        assert whole_chars > 0  # the scenario really produced characters split over tokens
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_busy_past_max_waiting(parts):
+    engine = make_engine(parts, max_slots=1, max_waiting=2)
+    tok = parts[1]
+    try:
+        async def overload():
+            long = SamplingParams(max_tokens=200)
+            first = engine.submit(Request(tok.encode(PROMPTS[0]), long))
+            assert isinstance(await first.__anext__(), Started)  # holds the only slot
+            queued = [engine.submit(Request(tok.encode(PROMPTS[1]), long)) for _ in range(2)]
+            with pytest.raises(EngineBusy) as refused:
+                engine.submit(Request(tok.encode(PROMPTS[2]), long))
+            assert refused.value.retry_after > 0
+            for stream in [first, *queued]:
+                stream.cancel()
+
+        run(overload())
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_bad_requests_are_refused_before_they_run(parts):
+    engine = make_engine(parts, max_prompt_tokens=100)
+    try:
+        async def bad():
+            for request, error in [
+                (Request([]), InvalidRequest),
+                (Request([10**9]), InvalidRequest),
+                (Request([1] * 101), InvalidRequest),
+                (Request([1], SamplingParams(temperature=-1)), InvalidRequest),
+                (Request([1], SamplingParams(logit_bias={10**9: 1.0})), InvalidRequest),
+                (Request([1], init_state="nobody"), UnknownInitState),
+            ]:
+                with pytest.raises(error):
+                    engine.submit(request)
+
+        run(bad())
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_a_failing_model_call_fails_its_rows_and_the_engine_goes_on(parts):
+    engine = make_engine(parts)
+    tok = parts[1]
+    real_prefill = engine.runner.prefill
+    try:
+        async def scenario():
+            steady = asyncio.create_task(collect(engine, Request(tok.encode(PROMPTS[0]), GREEDY)))
+            await asyncio.sleep(0.05)
+
+            def broken(rows, chunks):
+                engine.runner.prefill = real_prefill  # fail once
+                raise RuntimeError("device lost")
+
+            engine.runner.prefill = broken
+            failed = await collect(engine, Request(tok.encode(PROMPTS[1]), GREEDY))
+            return await steady, failed
+
+        steady, failed = run(scenario())
+        assert failed.finished.reason == "error" and "device lost" in failed.finished.error
+        assert steady.finished.reason == "length" and len(steady.tokens) == GREEDY.max_tokens
+        again = run(collect(engine, Request(tok.encode(PROMPTS[1]), GREEDY)))
+        assert again.finished.reason == "length"
+        settle(engine)
+    finally:
+        engine.runner.prefill = real_prefill
+        engine.stop()
+
+
+def _state_after(parts, tokens) -> RNNState:
+    from replicas.model.runner import ModelRunner
+
+    runner = ModelRunner(parts[0], 1)
+    runner.prefill([0], [tokens])
+    return runner.read_state(0)
+
+
+def test_init_state_is_used_namespaced_and_survives_unload_mid_request(parts):
+    tok = parts[1]
+    persona = tok.encode("# This module implements a small HTTP server.\n")
+    prompt = tok.encode("import socket\n")
+    engine = make_engine(parts)
+    try:
+        state = InitState(id="st-1", name="http", state=_state_after(parts, persona))
+        engine.load_init_state(state)
+        with_state = run(collect(engine, Request(prompt, GREEDY, init_state="http")))
+        # the same as feeding the persona's tokens first, from the zero state
+        plain = run(collect(engine, Request(persona + prompt, GREEDY)))
+        assert with_state.tokens == plain.tokens
+        assert with_state.started.cached_tokens == 0  # its own namespace: the zero-state cache is not used
+
+        async def unload_midway():
+            stream = engine.submit(Request(prompt, SamplingParams(max_tokens=40, temperature=0.0), init_state="st-1"))
+            tokens = []
+            async for event in stream:
+                if isinstance(event, Delta):
+                    tokens += event.token_ids
+                    if len(tokens) == 5:
+                        await asyncio.to_thread(engine.unload_init_state, "st-1")
+                elif isinstance(event, Finished):
+                    return tokens
+
+        tokens = run(unload_midway())
+        assert tokens[:24] == with_state.tokens
+        with pytest.raises(UnknownInitState):
+            run(collect(engine, Request(prompt, GREEDY, init_state="http")))
+        settle(engine)
+        bad = InitState(id="bad", name="bad", state=RNNState.zeros(parts[0].config, 2))
+        with pytest.raises(InitStateError):
+            engine.load_init_state(bad)
+    finally:
+        engine.stop()
+
+
+def test_default_init_state_applies_when_none_is_named(parts):
+    tok = parts[1]
+    persona = tok.encode("def helper():\n")
+    engine = make_engine(parts)
+    try:
+        engine.load_init_state(InitState(id="d", name="d", state=_state_after(parts, persona), default=True))
+        prompt = tok.encode("    x = 1\n")
+        implicit = run(collect(engine, Request(prompt, GREEDY)))
+        assert run(collect(engine, Request(prompt, GREEDY, init_state="d"))).tokens == implicit.tokens
+        engine.unload_init_state("d")
+        assert run(collect(engine, Request(persona + prompt, GREEDY))).tokens == implicit.tokens
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_logprobs_and_usage(parts):
+    tok = parts[1]
+    engine = make_engine(parts)
+    try:
+        async def scenario():
+            params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
+            items = []
+            async for event in engine.generate(Request(tok.encode(PROMPTS[2]), params)):
+                if isinstance(event, Delta):
+                    items += event.logprobs
+                elif isinstance(event, Finished):
+                    return items, event
+
+        items, finished = run(scenario())
+        assert len(items) == 5
+        for item in items:
+            assert len(item.top) == 3
+            assert item.top[0][0] == item.token_id  # greedy: the chosen token is the most likely
+            assert item.logprob == pytest.approx(item.top[0][1])
+            assert item.logprob <= 0 and all(a[1] >= b[1] for a, b in itertools.pairwise(item.top))
+        u = finished.usage
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
+            len(tok.encode(PROMPTS[2])), 5, len(tok.encode(PROMPTS[2])) + 5)
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_cache_respects_byte_budgets_and_demotes_to_host(parts):
+    model, tok = parts
+    snapshot_bytes = model.config.state_bytes() + 4 * model.config.vocab_size
+    engine = make_engine(parts, max_slots=1, device_cache_bytes=2 * snapshot_bytes, host_cache_bytes=3 * snapshot_bytes)
+    try:
+        for prompt in PROMPTS:
+            run(collect(engine, Request(tok.encode(prompt), SamplingParams(max_tokens=2, temperature=0.0))))
+        cache = settle(engine)["cache"]
+        assert cache["device_entries"] <= 2 and cache["host_entries"] <= 3
+        assert cache["demotions"] > 0 and cache["evictions"] > 0
+    finally:
+        engine.stop()
+
+
+def test_runner_state_matches_consumed_tokens_after_finish(parts):
+    """The state published at row end is the model's state after prompt + generated[:-1]."""
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=1)
+    try:
+        result = run(collect(engine, Request(tok.encode(PROMPTS[0]), GREEDY)))
+        settle(engine)
+        consumed = tok.encode(PROMPTS[0]) + result.tokens[:-1]
+        ours = engine.call(lambda: engine.runner.read_state(0))
+        ref = _state_after(parts, consumed)
+        assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.stop()
