@@ -139,30 +139,33 @@ class Sampler:
 
 
 def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> Tensor:
-    """Temperature, top-k, top-p, then the inverse CDF at each row's uniform number."""
+    """Temperature, top-k, top-p, then the inverse CDF at each row's uniform number.
+
+    Truncation only finds each row's smallest kept logit; the CDF is always taken in vocabulary
+    order, so a row's token never depends on what its batch-mates asked for.
+    """
     B, V = x.shape
     device = x.device
     x = x / torch.tensor([p.temperature for p in params], device=device)[:, None]
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
-    truncate = any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params)
-    if truncate:
-        width = max(kk for kk in k) if all(p.top_p >= 1.0 for p in params) else V
-        values, ids = torch.topk(x, width, dim=-1)  # sorted, best first
+    if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
+        width = max(k) if all(p.top_p >= 1.0 for p in params) else V
+        values = torch.topk(x, width, dim=-1).values  # best first
         rank = torch.arange(width, device=device)[None, :]
         values = values.masked_fill(rank >= torch.tensor(k, device=device)[:, None], float("-inf"))
         probs = torch.softmax(values, dim=-1)
         top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        probs = probs * ((probs.cumsum(-1) - probs) < top_p)
-    else:
-        ids = None
-        probs = torch.softmax(x, dim=-1)
+        # the smallest prefix whose mass reaches top_p (the best token always stays)
+        kept = ((probs.cumsum(-1) - probs) < top_p) & (values > float("-inf"))
+        cut = values.gather(1, (kept.sum(-1, keepdim=True) - 1).clamp_(min=0))
+        x = x.masked_fill(x < cut, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
     cdf = probs.cumsum(-1)
     target = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)[:, 0]
-    # a zero-probability token can be hit only at a float tie; step back to the nearest kept one
-    pick = torch.where(probs.gather(1, pick[:, None])[:, 0] > 0, pick, (probs > 0).long().cumsum(-1).argmax(-1))
-    return pick if ids is None else ids.gather(1, pick[:, None])[:, 0]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=V - 1)[:, 0]
+    # a zero-probability token can be hit only at a float tie; step back to the last kept one
+    last_kept = V - 1 - (probs > 0).flip(-1).long().argmax(-1)
+    return torch.where(probs.gather(1, pick[:, None])[:, 0] > 0, pick, last_kept)
 
 
 def _logprobs(x: Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

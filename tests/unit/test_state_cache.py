@@ -1,0 +1,91 @@
+"""The prefix-state cache on its own: radix trie, tiers, byte budgets, events, integrity."""
+
+import random
+
+import torch
+
+from replicas.model.config import ModelConfig
+from replicas.model.state import RNNState
+from replicas.state_cache import PrefixStateCache, Snapshot, prefix_key
+
+CONFIG = ModelConfig(1, 8, 4, 16, 8, 1, 1, 1, 1)
+
+
+def snap(value: float) -> Snapshot:
+    state = RNNState.zeros(CONFIG, 1)
+    state.wkv.fill_(value)
+    return Snapshot(state, torch.full((CONFIG.vocab_size,), value))
+
+
+SIZE = snap(0).nbytes
+
+
+def test_longest_prefix_across_split_edges():
+    cache = PrefixStateCache(100 * SIZE, 100 * SIZE)
+    cache.insert("", [1, 2, 3, 4, 5], snap(5))
+    cache.insert("", [1, 2, 3], snap(3))  # splits the edge
+    cache.insert("", [1, 2, 9, 9], snap(9))  # branches inside the old edge
+    for query, (value, length) in {
+        (1, 2, 3, 4, 5, 6): (5, 5), (1, 2, 3, 4): (3, 3), (1, 2, 9, 9, 1): (9, 4), (1, 2): (None, 0), (7,): (None, 0),
+    }.items():
+        found, n = cache.match("", query)
+        assert n == length and (found is None if value is None else found.logits[0].item() == value)
+    assert cache.match("other-namespace", [1, 2, 3])[0] is None
+    m = cache.metrics
+    assert (m.lookups, m.hits, m.misses, m.hit_tokens) == (6, 3, 3, 12)
+    cache.check_integrity()
+
+
+def test_device_tier_demotes_to_host_then_drops_least_recently_used():
+    cache = PrefixStateCache(2 * SIZE, 2 * SIZE)
+    for i in range(4):
+        cache.insert("", [i, i], snap(i))
+    cache.check_integrity()
+    assert cache.metrics.entries == {"device": 2, "host": 2}
+    cache.match("", [0, 0])  # a host hit moves back to the device tier; [1, 1] goes down
+    cache.insert("", [4, 4], snap(4))  # now the oldest host entry is dropped
+    cache.check_integrity()
+    assert cache.match("", [0, 0])[1] == 2
+    assert cache.match("", [1, 1])[0] is None
+    assert cache.metrics.evictions == 1 and cache.metrics.demotions >= 3
+    kinds = [(e.kind, e.length) for e in cache.drain_events()]
+    assert kinds.count(("insert", 2)) == 5 and kinds.count(("evict", 2)) == 1
+    assert not cache.drain_events()
+
+
+def test_replace_export_and_drop_namespace():
+    cache = PrefixStateCache(10 * SIZE, 10 * SIZE)
+    cache.insert("a", [1, 2], snap(1))
+    cache.insert("a", [1, 2], snap(2))  # same key: replaced, bytes counted once
+    cache.insert("b", [1, 2], snap(3))
+    assert cache.metrics.bytes["device"] == 2 * SIZE
+    exported = cache.export("a", [1, 2])
+    assert exported.logits[0].item() == 2 and cache.export("a", [1]) is None
+    cache.drop_namespace("a")
+    assert cache.match("a", [1, 2])[0] is None and cache.match("b", [1, 2])[1] == 2
+    assert {key for key, _ in cache.keys()} == {prefix_key("b", [1, 2])}
+    cache.check_integrity()
+
+
+def test_a_snapshot_larger_than_the_budget_is_not_kept():
+    cache = PrefixStateCache(SIZE - 1, 10 * SIZE)
+    assert not cache.insert("", [1], snap(1))
+    cache.check_integrity()
+
+
+def test_random_operations_keep_the_books_balanced():
+    rng = random.Random(3)
+    cache = PrefixStateCache(5 * SIZE, 7 * SIZE)
+    keys = [tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 6))) for _ in range(40)]
+    for step in range(600):
+        key = rng.choice(keys)
+        ns = rng.choice(["", "x"])
+        action = rng.random()
+        if action < 0.5:
+            cache.insert(ns, key, snap(step))
+        elif action < 0.95:
+            found, n = cache.match(ns, key + (9,))
+            assert found is None or n <= len(key)
+        else:
+            cache.drop_namespace(ns)
+        cache.check_integrity()
