@@ -149,16 +149,7 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     x = x / torch.tensor([p.temperature for p in params], device=device)[:, None]
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
-        width = max(k) if all(p.top_p >= 1.0 for p in params) else V
-        values = torch.topk(x, width, dim=-1).values  # best first
-        rank = torch.arange(width, device=device)[None, :]
-        values = values.masked_fill(rank >= torch.tensor(k, device=device)[:, None], float("-inf"))
-        probs = torch.softmax(values, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-        # the smallest prefix whose mass reaches top_p (the best token always stays)
-        kept = ((probs.cumsum(-1) - probs) < top_p) & (values > float("-inf"))
-        cut = values.gather(1, (kept.sum(-1, keepdim=True) - 1).clamp_(min=0))
-        x = x.masked_fill(x < cut, float("-inf"))
+        x = x.masked_fill(x < _cutoffs(x, k, [p.top_p for p in params]), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     cdf = probs.cumsum(-1)
     target = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
@@ -166,6 +157,37 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     # a zero-probability token can be hit only at a float tie; step back to the last kept one
     last_kept = V - 1 - (probs > 0).flip(-1).long().argmax(-1)
     return torch.where(probs.gather(1, pick[:, None])[:, 0] > 0, pick, last_kept)
+
+
+def _cutoffs(x: Tensor, k: list[int], top_p: list[float], window: int = 256) -> Tensor:
+    """Each row's smallest kept logit under top-k, then top-p (the best token always stays).
+
+    Looks at the best `window` tokens first (a full sort of a 65k vocabulary per row costs more
+    than the model step on a CPU); a row whose nucleus is not decided inside the window is
+    decided again over the whole vocabulary.
+    """
+    B, V = x.shape
+    cut = torch.empty(B, 1, device=x.device, dtype=x.dtype)
+    k_t = torch.tensor(k, device=x.device)[:, None]
+    p_t = torch.tensor(top_p, device=x.device, dtype=x.dtype)[:, None]
+    log_z = torch.logsumexp(x, -1, keepdim=True)
+    todo = torch.arange(B, device=x.device)
+    for width in (min(window, V), V):
+        values = torch.topk(x[todo], width, dim=-1).values  # best first
+        rank = torch.arange(width, device=x.device)[None, :]
+        values = values.masked_fill(rank >= k_t[todo], float("-inf"))
+        # mass of the best k tokens, renormalised: exact once the window covers them (k <= width)
+        top_k_mass = torch.exp(torch.logsumexp(values, -1, keepdim=True) - log_z[todo])
+        probs = torch.exp(values - log_z[todo]) / torch.where(k_t[todo] <= width, top_k_mass, 1.0)
+        mass = probs.cumsum(-1)
+        kept = ((mass - probs) < p_t[todo]) & (values > float("-inf"))
+        cut[todo] = values.gather(1, (kept.sum(-1, keepdim=True) - 1).clamp_(min=0))
+        whole_vocab = k_t[todo, 0] == V  # without top-k the window's mass is already final
+        decided = (k_t[todo, 0] <= width) | (whole_vocab & (mass[:, -1] >= p_t[todo, 0])) | (width == V)
+        todo = todo[~decided]
+        if todo.numel() == 0:
+            break
+    return cut
 
 
 def _logprobs(x: Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

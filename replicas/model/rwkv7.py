@@ -61,6 +61,8 @@ def wkv_reference(
     batch. Out-of-place throughout, so autograd can train through it.
     """
     r, w, k, v, a, b = (t.float() for t in (r, torch.exp(w_log.float()), k, v, a, b))
+    if rows.uniform:  # decode and training: every row has T tokens, so [B*T] is a plain [B, T] view
+        return _wkv_uniform(state.float(), r, w, k, v, a, b, rows.count)
     order = sorted(range(rows.count), key=lambda i: -rows.lengths[i])
     order_t = torch.tensor(order, device=state.device)
     starts = rows.starts.to(state.device)[order_t]
@@ -71,17 +73,28 @@ def wkv_reference(
         n = sum(1 for length in lengths if length > t)
         idx = starts[:n] + t
         r_t, w_t, k_t, v_t, a_t, b_t = (x[idx] for x in (r, w, k, v, a, b))  # [n, H, N]
-        S_n = S[:n]
-        S_n = (
-            S_n * w_t[:, :, None, :]
-            + (S_n @ a_t[..., None]) @ b_t[:, :, None, :]
-            + v_t[..., None] @ k_t[:, :, None, :]
-        )
+        out, S_n = _wkv_step(S[:n], r_t, w_t, k_t, v_t, a_t, b_t)
         S = S_n if n == len(lengths) else torch.cat([S_n, S[n:]])
-        outs.append((S_n @ r_t[..., None])[..., 0])
+        outs.append(out)
         where.append(idx)
     out = torch.zeros_like(r).index_put((torch.cat(where),), torch.cat(outs))
     return out, S[torch.argsort(order_t)]
+
+
+def _wkv_step(S: Tensor, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """One token for every row: S [n,H,N,N]; r, w, k, v, a, b [n,H,N]."""
+    S = S * w[:, :, None, :] + (S @ a[..., None]) @ b[:, :, None, :] + v[..., None] @ k[:, :, None, :]
+    return (S @ r[..., None])[..., 0], S
+
+
+def _wkv_uniform(S: Tensor, r, w, k, v, a, b, B: int) -> tuple[Tensor, Tensor]:
+    T = r.shape[0] // B
+    r, w, k, v, a, b = (x.view(B, T, *x.shape[1:]) for x in (r, w, k, v, a, b))
+    outs = []
+    for t in range(T):
+        out, S = _wkv_step(S, r[:, t], w[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
+        outs.append(out)
+    return torch.stack(outs, dim=1).view(B * T, *r.shape[2:]), S
 
 
 def token_shift(x: Tensor, shift: Tensor, rows: Rows) -> Tensor:

@@ -89,3 +89,18 @@ def test_logprobs_are_log_softmax_with_the_top_alternatives():
 def test_validation_names_the_bad_field(bad):
     with pytest.raises(InvalidRequest):
         SamplingParams(**bad).validate(V)
+
+
+def test_the_windowed_nucleus_equals_a_full_sort():
+    """Top-k/top-p cut-offs found in a window of the best tokens match a full sort's."""
+    from replicas.sampling import _cutoffs
+
+    V_big = 2000
+    x = torch.randn(8, V_big, generator=torch.Generator().manual_seed(5)) * torch.tensor(
+        [0.1, 0.5, 1, 2, 4, 8, 0.05, 3.0])[:, None]
+    ks = [0, 10, 0, 300, 0, 1, 1500, 0]
+    ps = [0.9, 0.5, 0.99, 0.95, 1.0, 0.3, 0.97, 0.2]
+    k_eff = [k if 0 < k < V_big else V_big for k in ks]
+    windowed = _cutoffs(x, k_eff, ps, window=16)
+    full = _cutoffs(x, k_eff, ps, window=V_big)
+    assert torch.equal(windowed, full)

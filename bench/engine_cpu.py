@@ -1,0 +1,177 @@
+"""CPU benchmark of the engine (no Ray): time to first token and decode throughput.
+
+For each model (the demo model, and a random model of the released 0.1B shape written as a
+BlinkDL checkpoint in this run):
+  * time to first token of a ~2,000-token prompt: cold, on an exact cache hit, on a continued
+    chat turn (the slot still holds the previous turn), and on a prefix hit from the cache (the
+    slot was reused by others in between);
+  * aggregate decode tokens/s at 1, 8, 16 and 32 concurrent requests;
+  * for the 0.1B checkpoint, the `rwkv` package's single-stream decode tokens/s on the same file,
+    measured in the same run (needs `pip install rwkv==0.8.32`, part of the test extra).
+
+    python bench/engine_cpu.py [--models demo,0.1b] [--new-tokens 64] [--prompt-tokens 2000]
+
+Prints progress to stderr and a Markdown table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from replicas.engine import Delta, Engine, EngineConfig, Finished, Request
+from replicas.model.checkpoint import convert, save_pth
+from replicas.model.config import ModelConfig
+from replicas.model.loader import default_model_dir, open_model
+from replicas.model.rwkv7 import RWKV7, init_random
+from replicas.sampling import SamplingParams
+
+SHAPE_0_1B = ModelConfig(n_layer=12, n_embd=768, head_size=64, vocab_size=65536, ffn_dim=3072,
+                         w_lora=64, a_lora=64, v_lora=32, g_lora=128)
+CONCURRENCY = (1, 8, 16, 32)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def first_token_seconds(engine: Engine, prompt: list[int], new_tokens: int = 1) -> tuple[float, list[int], int]:
+    """Seconds to the first generated token; the generated tokens; cached prompt tokens."""
+    start = time.perf_counter()
+    first, tokens, cached = None, [], 0
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    async for event in engine.generate(Request(prompt, params)):
+        if isinstance(event, Delta) and first is None:
+            first = time.perf_counter() - start
+        if isinstance(event, Delta):
+            tokens += event.token_ids
+        if isinstance(event, Finished):
+            cached = event.usage.cached_tokens
+    return first, tokens, cached
+
+
+async def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate generated tokens per second over concurrent requests (short prompts)."""
+    # plain temperature sampling: a random model has no nucleus worth truncating to
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+
+    async def one(prompt):
+        n = 0
+        async for event in engine.generate(Request(prompt, params)):
+            if isinstance(event, Delta):
+                n += len(event.token_ids)
+        return n
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def long_prompt(tokenizer, n: int) -> list[int]:
+    source = Path(__file__).resolve().parents[1] / "replicas" / "engine.py"
+    text = source.read_text()
+    tokens: list[int] = []
+    while len(tokens) < n:
+        tokens += tokenizer.encode(text)
+    return tokens[:n]
+
+
+def bench_model(name: str, model_dir: Path, args) -> dict:
+    say(f"[{name}] loading {model_dir}")
+    runner, tokenizer, _ = open_model(model_dir, max_slots=max(CONCURRENCY), device="cpu")
+    config = EngineConfig(max_slots=max(CONCURRENCY), token_chunk_size=512, max_prefill_tokens=1024,
+                          checkpoint_interval=512, max_waiting=256)
+    engine = Engine(runner, tokenizer, config).start()
+    out: dict = {"model": name}
+    try:
+        prompt = long_prompt(tokenizer, args.prompt_tokens)
+        say(f"[{name}] time to first token, {len(prompt)}-token prompt: cold")
+        out["cold"], reply, _ = asyncio.run(first_token_seconds(engine, prompt, new_tokens=16))
+        say(f"[{name}] … exact cache hit")
+        out["hit"], _, cached = asyncio.run(first_token_seconds(engine, prompt))
+        assert cached == len(prompt), f"expected an exact hit, cached {cached}"
+        turn = prompt + reply + tokenizer.encode("\n\n# next turn: explain the code above\n")
+        say(f"[{name}] … continued chat turn (+{len(turn) - len(prompt)} tokens)")
+        # the exact-hit request above left its slot at `prompt`; the 16-token reply's slot holds prompt+reply
+        out["continued"], _, cached = asyncio.run(first_token_seconds(engine, turn))
+        out["continued_cached"] = cached
+        say(f"[{name}] … prefix hit from the cache after the slots were reused")
+        asyncio.run(decode_rate(engine, [tokenizer.encode(f"filler {i}") for i in range(max(CONCURRENCY))], 2))
+        turn2 = prompt + reply + tokenizer.encode("\n\n# another turn\n")
+        out["prefix_hit"], _, out["prefix_hit_cached"] = asyncio.run(first_token_seconds(engine, turn2))
+        for c in CONCURRENCY:
+            say(f"[{name}] decode, {c} concurrent × {args.new_tokens} tokens")
+            prompts = [tokenizer.encode(f"def function_{i}(x):\n    ") for i in range(c)]
+            out[f"decode_{c}"] = asyncio.run(decode_rate(engine, prompts, args.new_tokens))
+        engine.check_integrity()
+    finally:
+        engine.stop()
+    return out
+
+
+def reference_single_stream(pth: Path, new_tokens: int) -> float:
+    """The rwkv package (cpu fp32) decoding one stream, token by token, on the same checkpoint."""
+    os.environ["RWKV_V7_ON"] = "1"
+    from rwkv.model import RWKV  # noqa: PLC0415
+
+    model = RWKV(str(pth.with_suffix("")), "cpu fp32")
+    logits, state = model.forward([1, 2, 3, 4], None)
+    token = int(logits.argmax())
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        logits, state = model.forward([token], state)
+        token = int(logits.argmax())
+    return new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="demo,0.1b")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows, reference = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            if name == "demo":
+                rows.append(bench_model("demo", default_model_dir(), args))
+            elif name == "0.1b":
+                say("[0.1b] writing a random checkpoint of the released 0.1B shape (L12, C768, V65536)")
+                pth = Path(tmp) / "rwkv7-0.1b-random.pth"
+                save_pth(init_random(RWKV7(SHAPE_0_1B), seed=0), pth)
+                convert(pth, Path(tmp) / "0.1b", progress=say)
+                rows.append(bench_model("0.1b (random)", Path(tmp) / "0.1b", args))
+                say("[0.1b] rwkv package, single-stream decode")
+                reference = reference_single_stream(pth, args.new_tokens)
+            else:
+                raise SystemExit(f"unknown model {name!r} (demo, 0.1b)")
+    print(f"\nCPU: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print("| model | TTFT cold | TTFT exact hit | ×cold | TTFT continued turn | ×cold "
+          "| TTFT prefix hit (cache) | ×cold |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['cold']*1e3:.0f} ms | {r['hit']*1e3:.1f} ms | {r['cold']/r['hit']:.0f}× "
+              f"| {r['continued']*1e3:.0f} ms ({r['continued_cached']} cached) | {r['cold']/r['continued']:.0f}× "
+              f"| {r['prefix_hit']*1e3:.0f} ms ({r['prefix_hit_cached']} cached) | {r['cold']/r['prefix_hit']:.0f}× |")
+    print("\n| model | " + " | ".join(f"decode, {c} concurrent" for c in CONCURRENCY) + " | rwkv 0.8.32, 1 stream |")
+    print("|---|" + "---|" * (len(CONCURRENCY) + 1))
+    for r in rows:
+        ref = f"{reference:.1f} tok/s" if reference and r["model"].startswith("0.1b") else "—"
+        cells = []
+        for c in CONCURRENCY:
+            ratio = f" ({r[f'decode_{c}'] / reference:.1f}× rwkv)" if ref != "—" else ""
+            cells.append(f"{r[f'decode_{c}']:.1f} tok/s{ratio}")
+        print(f"| {r['model']} | " + " | ".join(cells) + f" | {ref} |")
+
+
+if __name__ == "__main__":
+    main()
