@@ -1,0 +1,293 @@
+"""The replica: one engine beside one GPU, as a Ray Serve deployment.
+
+Owns the engine's lifecycle (open the model, start, health, stop), following the registry's
+init-state catalog (all of it at start, then every change), pushing the engine's metrics to the
+registry every `metrics_interval_s` (never per request), and streaming each request's output to
+the ingress in coalesced chunks. Never touches HTTP or prompt text: token ids come in, text goes
+out (the engine detokenizes; logprob token ids are mapped to their text and bytes here).
+
+`generate(request)` is called through a streaming handle and yields `Chunk`s:
+    first    Chunk() when the engine accepted the request, or Chunk(error=...) and the end;
+    then     Chunk(text, logprobs), at most one per `stream_delay_s` or `stream_tokens` tokens;
+    last     Chunk(finish_reason, usage), possibly with the last text.
+A caller that stops iterating (the ingress cancels the call when its client goes) cancels the
+request's row in the engine.
+
+The registry is reached through `connect_registry(app_name)`, which returns an actor handle with
+`catalog() -> (version, [ {id, name, default, version, ref} ])`, `wait_version(known, timeout)`,
+`report(replica, stats, acked_version, interval_s)` and `forget(replica)` (serve_app/registry.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from .engine import (
+    Delta,
+    Engine,
+    EngineBusy,
+    EngineConfig,
+    Event,
+    Finished,
+    PromptTooLong,
+    Request,
+    RequestStream,
+    Started,
+    UnknownInitState,
+    Usage,
+)
+from .init_states import InitState, state_from_bytes
+from .model.loader import open_model
+from .sampling import InvalidRequest, TokenLogprob
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("rwkv_fleet.replica")
+
+HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
+
+
+class ReplicaConfig(BaseModel):
+    model_dir: Path | None = None  # None: the demo model
+    device: str = "cpu"
+    engine: EngineConfig = EngineConfig()
+    stream_delay_s: float = 0.02
+    stream_tokens: int = 16
+    metrics_interval_s: float = 1.0
+
+
+# -- what crosses the process boundary --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenText:
+    token: str  # the token's text, or "bytes:\\x.." when its bytes are not whole UTF-8
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    chosen: TokenText
+    top: tuple[TokenText, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaError:
+    status: int  # the HTTP status the ingress answers with
+    message: str
+    code: str | None = None
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage | None = None
+    error: ReplicaError | None = None
+
+
+# -- the deployment ---------------------------------------------------------------------------
+
+
+class Replica:
+    """The body of the replica deployment (serve_app/app.py wraps it with `serve.deployment`)."""
+
+    async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
+        self.config = config
+        self.replica_id, app_name = _replica_identity()
+        runner, self.tokenizer, self.card = await asyncio.to_thread(
+            open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
+        self.model_config = runner.config
+        self.engine = Engine(runner, self.tokenizer, config.engine).start()
+        self.registry = connect_registry(app_name) if connect_registry else None
+        self.catalog_version: int | None = None
+        self.load_errors = 0
+        self._sync_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        if self.registry is not None:
+            await self.sync_init_states()
+            self._tasks = [asyncio.create_task(self._follow_catalog()), asyncio.create_task(self._push_metrics())]
+        log.info("replica %s ready: %s on %s", self.replica_id, self.card.name, config.device)
+
+    async def generate(self, request: Request) -> AsyncIterator[Chunk]:
+        try:
+            stream = await self._submit(request)
+        except (InvalidRequest, UnknownInitState, EngineBusy) as err:
+            yield Chunk(error=_refusal(err))
+            return
+        try:
+            yield Chunk()
+            async for events in coalesce(stream, self.config.stream_delay_s, self.config.stream_tokens):
+                yield self._chunk(events)
+        finally:
+            stream.cancel()  # a no-op when the request finished; else it frees the row
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine thread must be turning."""
+        await asyncio.to_thread(self.engine.call, lambda: None, HEALTH_TIMEOUT_S)
+
+    def __del__(self) -> None:
+        for task in getattr(self, "_tasks", ()):
+            task.cancel()
+        if getattr(self, "registry", None) is not None:
+            self.registry.forget.remote(self.replica_id)
+            self.registry = None
+        if hasattr(self, "engine"):
+            self.engine.stop()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def _submit(self, request: Request) -> RequestStream:
+        try:
+            return self.engine.submit(request)
+        except UnknownInitState:
+            if self.registry is None:
+                raise
+            await self.sync_init_states()  # it may have been loaded a moment ago
+            return self.engine.submit(request)
+
+    def _chunk(self, events: list[Event]) -> Chunk:
+        deltas = [e for e in events if isinstance(e, Delta)]
+        end = events[-1] if isinstance(events[-1], Finished) else None
+        logprobs = tuple(self._token_logprobs(lp) for d in deltas for lp in d.logprobs or ())
+        text = "".join(d.text for d in deltas)
+        if end is None:
+            return Chunk(text, logprobs)
+        error = ReplicaError(500, end.error or "generation failed") if end.reason == "error" else None
+        return Chunk(text, logprobs, end.reason, end.usage, error)
+
+    def _token_logprobs(self, lp: TokenLogprob) -> TokenLogprobs:
+        top = tuple(token_text(self.tokenizer, t, p) for t, p in lp.top)
+        return TokenLogprobs(token_text(self.tokenizer, lp.token_id, lp.logprob), top)
+
+    # -- init states -----------------------------------------------------------------------
+
+    async def sync_init_states(self) -> None:
+        """Makes the engine's init states the registry's catalog (loads new ones, unloads gone ones)."""
+        async with self._sync_lock:
+            version, entries = await self.registry.catalog.remote()
+            wanted = {e["id"]: e for e in entries}
+            for state_id in set(self.engine.init_states) - set(wanted):
+                await asyncio.to_thread(self.engine.unload_init_state, state_id)
+            for entry in sorted(entries, key=lambda e: e["version"]):  # a later default wins
+                loaded = self.engine.init_states.get(entry["id"])
+                if loaded is None or loaded.version != str(entry["version"]):
+                    await self._load(entry)
+            self.catalog_version = version
+        await self._report()  # acknowledge the version at once: POST /v1/states waits for it
+
+    async def _load(self, entry: dict) -> None:
+        try:
+            data = await entry["ref"]
+            state = state_from_bytes(data, self.model_config)
+            init = InitState(entry["id"], entry["name"], state, entry["default"], str(entry["version"]))
+            await asyncio.to_thread(self.engine.load_init_state, init)
+        except Exception:
+            self.load_errors += 1
+            log.exception("replica %s could not load init state %s", self.replica_id, entry["name"])
+
+    async def _follow_catalog(self) -> None:
+        while True:
+            try:
+                version = await self.registry.wait_version.remote(self.catalog_version, 30.0)
+                if version != self.catalog_version:
+                    await self.sync_init_states()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("replica %s: following the init-state catalog failed; retrying", self.replica_id,
+                            exc_info=True)
+                await asyncio.sleep(1.0)
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    async def _push_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics_interval_s)
+            await self._report()
+
+    async def _report(self) -> None:
+        try:
+            stats = await asyncio.to_thread(self.engine.snapshot_stats)
+            stats["counters"]["init_state_load_errors"] = self.load_errors
+            await self.registry.report.remote(
+                self.replica_id, stats, self.catalog_version, self.config.metrics_interval_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("replica %s: pushing metrics failed", self.replica_id, exc_info=True)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+async def coalesce(events: RequestStream, max_delay: float, max_tokens: int) -> AsyncIterator[list[Event]]:
+    """A request's events in groups: a group closes at Finished, at `max_tokens` tokens, or
+    `max_delay` seconds after its first event. `Started` carries nothing to send and is skipped.
+
+    Waiting on `events` is cancelled at a deadline, so `events` must survive a cancelled
+    `__anext__` (a RequestStream does: it waits on a queue; an async generator would be closed).
+    """
+    loop = asyncio.get_running_loop()
+    group: list[Event] = []
+    tokens, deadline = 0, None
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                event = await anext(events)
+        except TimeoutError:
+            yield group
+            group, tokens, deadline = [], 0, None
+            continue
+        except StopAsyncIteration:
+            break
+        if isinstance(event, Started):
+            continue
+        group.append(event)
+        tokens += len(event.token_ids) if isinstance(event, Delta) else 0
+        if isinstance(event, Finished) or tokens >= max_tokens:
+            yield group
+            group, tokens, deadline = [], 0, None
+        elif deadline is None:
+            deadline = loop.time() + max_delay
+    if group:
+        yield group
+
+
+def token_text(tokenizer: Tokenizer, token_id: int, logprob: float) -> TokenText:
+    data = tokenizer.token_bytes(token_id)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+    return TokenText(text, data, logprob)
+
+
+def _refusal(err: Exception) -> ReplicaError:
+    if isinstance(err, EngineBusy):
+        return ReplicaError(503, str(err), "overloaded", err.retry_after)
+    if isinstance(err, PromptTooLong):
+        return ReplicaError(413, str(err), "context_length_exceeded")
+    if isinstance(err, UnknownInitState):
+        return ReplicaError(404, str(err), "init_state_not_found")
+    return ReplicaError(400, str(err))
+
+
+def _replica_identity() -> tuple[str, str]:
+    """(replica id, application name) inside Ray Serve; a local name outside it (tests)."""
+    try:
+        from ray import serve  # noqa: PLC0415 - the replica runs without Ray in unit tests
+
+        context = serve.get_replica_context()
+        return context.replica_id.unique_id, context.app_name
+    except Exception:
+        return "local", "local"

@@ -1,0 +1,138 @@
+"""The one config an application is built from, and where it comes from (a file, then flags).
+
+Owns every knob of a deployment: the model, the engine, replicas and autoscaling, resources,
+the chat template, init states, streaming and metrics. Deployment options are derived from it
+by plain functions, so they can be checked without a cluster. Never touches Ray or HTTP.
+
+The file is YAML or JSON holding these fields, or a Serve config file (serve_config.yaml), whose
+first application's `args` are taken.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+
+from replicas.deployment import ReplicaConfig
+from replicas.engine import EngineConfig
+
+from .chat import ChatTemplate
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve autoscaling of the model replicas (set it instead of a fixed `replicas`)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(
+        0.0, ge=0, description="requests in flight per replica to aim for; 0: the engine's slot count")
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling: min_replicas is above max_replicas")
+        return self
+
+
+class StreamSettings(BaseModel):
+    """How replicas coalesce tokens into the messages they stream to the ingress."""
+
+    max_delay_ms: float = Field(20.0, gt=0, description="a chunk is sent at most this long after its first token")
+    max_tokens: int = Field(16, ge=1, description="a chunk is sent once it holds this many tokens")
+
+
+class AppConfig(BaseModel):
+    model: Path | None = Field(None, description="model directory; None: the embedded demo model")
+    model_name: str | None = Field(None, description="the name clients use; default: the model's own name")
+    device: str = Field("auto", description="torch device of a replica; auto: cuda when it has a GPU, else cpu")
+    engine: EngineConfig = EngineConfig()
+
+    replicas: int = Field(1, ge=1, description="model replicas (ignored when autoscaling is set)")
+    autoscaling: Autoscaling | None = None
+    num_gpus: float | Literal["auto"] = Field("auto", description="GPUs per replica; auto: 1 if the cluster has any")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="requests the ingress holds for a replica when all are full; beyond: 503; -1: no bound")
+
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests in flight per ingress replica")
+
+    host: str = Field("127.0.0.1", description="HTTP host (rwkv-fleet serve; serve deploy uses http_options)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (rwkv-fleet serve; see host)")
+
+    chat: ChatTemplate = ChatTemplate()
+    default_max_tokens: int = Field(1024, ge=1, description="chat completions' max_tokens when a request sets none")
+    states_dir: Path | None = Field(None, description="init states POST /v1/states may load by file name")
+    stream: StreamSettings = StreamSettings()
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas push their metrics")
+    state_sync_timeout_s: float = Field(30.0, gt=0, description="how long POST /v1/states waits for every replica")
+
+    model_config = {"extra": "forbid"}  # a misspelt knob in a config file is an error, not a silent default
+
+    def max_ongoing_requests(self) -> int:
+        """What one replica accepts at once: its slots plus its waiting queue."""
+        return self.engine.max_slots + self.engine.max_waiting
+
+    def replica_config(self, num_gpus: float) -> ReplicaConfig:
+        device = self.device if self.device != "auto" else ("cuda" if num_gpus > 0 else "cpu")
+        return ReplicaConfig(
+            model_dir=self.model, device=device, engine=self.engine,
+            stream_delay_s=self.stream.max_delay_ms / 1000, stream_tokens=self.stream.max_tokens,
+            metrics_interval_s=self.metrics_interval_s,
+        )
+
+    def replica_options(self, num_gpus: float) -> dict[str, Any]:
+        """Ray Serve deployment options of the model replicas."""
+        options: dict[str, Any] = {
+            "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": self.num_cpus},
+            "max_ongoing_requests": self.max_ongoing_requests(),
+            "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": 5.0,
+            "graceful_shutdown_timeout_s": 30.0,
+        }
+        if self.autoscaling is None:
+            options["num_replicas"] = self.replicas
+        else:
+            scaling = self.autoscaling.model_dump()
+            scaling["target_ongoing_requests"] = scaling["target_ongoing_requests"] or self.engine.max_slots
+            options["autoscaling_config"] = scaling
+        return options
+
+    def ingress_options(self) -> dict[str, Any]:
+        return {
+            "num_replicas": self.ingress_replicas,
+            "max_ongoing_requests": self.ingress_max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": 0},
+        }
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AppConfig:
+    """A config from a file (or defaults), with the given non-None fields replacing the file's."""
+    values = read_config_file(Path(path)) if path else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return AppConfig.model_validate(values)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({err})") from None
+    body = body or {}
+    if not isinstance(body, dict):
+        raise ValueError(f"{path}: expected a mapping of config fields")
+    if "applications" in body:  # a Serve config file: take the first application's args
+        apps = body["applications"] or [{}]
+        body = apps[0].get("args") or {}
+    return body

@@ -1,0 +1,318 @@
+"""The ingress: the OpenAI-compatible HTTP API, as a Ray Serve deployment over a FastAPI app.
+
+Owns the routes, request validation (a bad request is a 4xx in OpenAI's error JSON, never a 500),
+the chat template, tokenization (only the tokenizer file is read from the model directory, never
+the weights), SSE framing, and the mapping of errors to statuses. Generation goes to the replica
+deployment through `streams.ChoiceStreams`; init states and metrics go through the registry.
+Never touches model state or a GPU.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
+GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
+/openapi.json and /docs.
+"""
+
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+
+from replicas.engine import Request as EngineRequest
+from replicas.model.config import read_config
+from replicas.model.loader import default_model_dir
+from replicas.sampling import InvalidRequest, SamplingParams
+from replicas.tokenizer import load_tokenizer
+
+from . import chat, registry
+from .config import AppConfig
+from .metrics import CONTENT_TYPE, prometheus_text, stats_view
+from .protocol import (
+    MAX_CHOICES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InitStateDeleted,
+    InitStateList,
+    InitStateLoaded,
+    ModelList,
+    ModelObject,
+    StateFromFile,
+    sampling_params,
+)
+from .responses import ChatFormat, CompletionFormat, collect, stream_events, usage_of
+from .states import StateCatalog
+from .streams import ChoiceStreams
+
+log = logging.getLogger("ray.serve.rwkv_fleet")
+
+TOKENIZE_IN_THREAD_CHARS = 4096  # longer texts are tokenized off the event loop
+
+api = FastAPI(
+    title="rwkv-fleet",
+    description="An OpenAI-compatible API serving RWKV-7 models on Ray Serve.",
+    version="0.1.0",
+)
+
+
+# -- errors: always OpenAI's error JSON --------------------------------------------------------
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    return await _api_error(_, _validation_error(err.errors()))
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+    return await _api_error(_, ApiError(err.status_code, str(err.detail)))
+
+
+@api.exception_handler(Exception)
+async def _internal(_: Request, err: Exception) -> JSONResponse:
+    log.exception("unexpected error in the ingress")
+    return await _api_error(_, ApiError(500, "internal server error", code="internal_error"))
+
+
+def _validation_error(errors: Sequence[dict]) -> ApiError:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+_STATE_UPLOAD_DOC = {
+    "requestBody": {
+        "description": "either the safetensors file itself (with ?name=...&default=...), or JSON naming a file "
+                       "in the server's states directory",
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/json": {"schema": StateFromFile.model_json_schema()},
+        },
+    }
+}
+
+
+def sampling_params_checked(body, max_tokens: int, extra_stop: list[str], logprobs: int | None,
+                            vocab: int) -> SamplingParams:
+    """The engine's parameters, validated here so that a bad field is a 400 before any replica call."""
+    params = sampling_params(body, max_tokens, extra_stop, logprobs)
+    try:
+        params.validate(vocab)
+    except InvalidRequest as err:
+        raise ApiError(400, str(err)) from None
+    return params
+
+
+def _parse(model: type[BaseModel], data: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        raise _validation_error(err.errors()) from None
+
+
+async def sse(events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per object, then `data: [DONE]`."""
+    async for event in events:
+        body = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
+        yield f"data: {body}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# -- the deployment ---------------------------------------------------------------------------
+# `serve.ingress` pickles the FastAPI app as it decorates the class: whatever the routes use must
+# be defined above this point. And no `from __future__ import annotations` in this module: FastAPI
+# reads the route signatures' annotations, and Serve's rewritten signatures cannot resolve strings.
+
+
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, config: AppConfig, replica: DeploymentHandle, connect_registry=registry.connect):
+        self.config = config
+        self.replica = replica
+        model_dir = config.model or default_model_dir()
+        self.model_config, card = read_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir / card.tokenizer)
+        if card.eos_token_id is not None and self.tokenizer.eos_token_id is None:
+            self.tokenizer.eos_token_id = card.eos_token_id
+        self.model_name = config.model_name or card.name
+        self.created = int(time.time())
+        self.registry = connect_registry(serve.get_replica_context().app_name)
+        self.states = StateCatalog(self.registry, self.model_config, config.states_dir, config.state_sync_timeout_s)
+
+    # -- generation ------------------------------------------------------------------------
+
+    @api.post("/v1/completions", summary="Create a completion")
+    async def completions(self, body: CompletionRequest) -> Response:
+        self._check_model(body.model)
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if body.best_of not in (None, body.n):
+            raise ApiError(400, "best_of other than n is not supported", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported", param="echo")
+        prompts = await self._completion_prompts(body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
+        params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size)
+        requests, prompt_of = self._requests(prompts, body.n, params, body.init_state)
+        echo = [self.tokenizer.decode(prompts[p]) for p in prompt_of] if body.echo else []
+        fmt = CompletionFormat(self.model_name, len(requests), body.logprobs, echo)
+        return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
+
+    @api.post("/v1/chat/completions", summary="Create a chat completion")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        self._check_model(body.model)
+        if body.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only the text response format is supported", param="response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        prompt = await self._encode(chat.render(body.messages, self.config.chat))
+        max_tokens = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params_checked(body, max_tokens, self.config.chat.stop, logprobs,
+                                         self.model_config.vocab_size)
+        requests, prompt_of = self._requests([prompt], body.n, params, body.init_state)
+        fmt = ChatFormat(self.model_name, len(requests), body.logprobs)
+        return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
+
+    async def _respond(self, fmt: CompletionFormat | ChatFormat, requests: list[EngineRequest],
+                       prompt_of: list[int], stream: bool, include_usage: bool) -> Response:
+        choices = await ChoiceStreams.open(self.replica, requests)  # raises before any byte is sent
+        if stream:
+            events = stream_events(fmt, aiter(choices), prompt_of, include_usage)
+            return StreamingResponse(sse(events), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcomes = await collect(aiter(choices), len(requests))
+        return JSONResponse(fmt.body(outcomes, usage_of(outcomes, prompt_of)).model_dump(mode="json"))
+
+    def _requests(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                  init_state: str | None) -> tuple[list[EngineRequest], list[int]]:
+        """n engine requests per prompt (seeded choices get seeds seed, seed+1, ...), and each one's prompt."""
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"prompts × n is at most {MAX_CHOICES}", param="n")
+        requests, prompt_of = [], []
+        for p, prompt in enumerate(prompts):
+            self._check_prompt(prompt)
+            for j in range(n):
+                seeded = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+                requests.append(EngineRequest(prompt, seeded, init_state))
+                prompt_of.append(p)
+        return requests, prompt_of
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        limit = self.config.engine.max_prompt_tokens
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt) > limit:
+            raise ApiError(413, f"the prompt has {len(prompt)} tokens; the limit is {limit}", param="prompt",
+                           code="context_length_exceeded")
+
+    async def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [await self._encode(prompt)]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [self._token_ids(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [await self._encode(p) for p in prompt]
+        return [self._token_ids(p) for p in prompt]
+
+    def _token_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(ids)
+
+    async def _encode(self, text: str) -> list[int]:
+        try:
+            if len(text) > TOKENIZE_IN_THREAD_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, text)
+            return self.tokenizer.encode(text)
+        except UnicodeEncodeError:
+            raise ApiError(400, "the text holds characters with no UTF-8 form (lone surrogates)") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # -- models ----------------------------------------------------------------------------
+
+    @api.get("/v1/models", summary="List models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._model()])
+
+    @api.get("/v1/models/{model_id}", summary="Retrieve a model")
+    async def model(self, model_id: str) -> ModelObject:
+        self._check_model(model_id)
+        return self._model()
+
+    def _model(self) -> ModelObject:
+        return ModelObject(id=self.model_name, created=self.created)
+
+    # -- init states -----------------------------------------------------------------------
+
+    @api.get("/v1/states", summary="List init states")
+    async def list_states(self) -> InitStateList:
+        return await self.states.list()
+
+    @api.post("/v1/states", summary="Load an init state (202: stored, but not every replica had it in time)",
+              response_model=InitStateLoaded, responses={202: {"model": InitStateLoaded}},
+              openapi_extra=_STATE_UPLOAD_DOC)
+    async def load_state(self, request: Request, name: str | None = None, default: bool = False) -> Response:
+        if request.headers.get("content-type", "").startswith("application/json"):
+            loaded = await self.states.load_file(_parse(StateFromFile, await request.body()))
+        else:
+            size = int(request.headers.get("content-length") or 0)
+            if size > self.states.max_bytes:
+                raise ApiError(413, f"an init state for this model is at most {self.states.max_bytes} bytes")
+            loaded = await self.states.load(name, await request.body(), default)
+        status = 202 if loaded.pending_replicas else 200
+        return JSONResponse(loaded.model_dump(mode="json"), status_code=status)
+
+    @api.delete("/v1/states/{state}", summary="Unload an init state")
+    async def unload_state(self, state: str) -> InitStateDeleted:
+        return await self.states.unload(state)
+
+    @api.delete("/v1/states", summary="Unload an init state named in the query")
+    async def unload_state_by_query(self, name: str) -> InitStateDeleted:
+        return await self.states.unload(name)
+
+    # -- operations ------------------------------------------------------------------------
+
+    @api.get("/health", summary="Liveness: 200 when a model replica is up")
+    async def health(self) -> Response:
+        live = await self.registry.replicas.remote()
+        if not live:
+            raise ApiError(503, "no model replica is up yet", code="unavailable", retry_after=2.0)
+        return JSONResponse({"status": "ok", "model": self.model_name, "replicas": len(live)})
+
+    @api.get("/v1/stats", summary="Engine and cache figures per replica and in total (JSON)")
+    async def stats(self) -> dict:
+        replicas, (version, _) = await asyncio.gather(self.registry.replicas.remote(), self.registry.states.remote())
+        return stats_view(replicas, version)
+
+    @api.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics(self) -> Response:
+        replicas, (version, _) = await asyncio.gather(self.registry.replicas.remote(), self.registry.states.remote())
+        return Response(prometheus_text(replicas, version), media_type=CONTENT_TYPE)

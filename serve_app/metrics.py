@@ -1,0 +1,117 @@
+"""Cluster metrics: the replicas' pushed engine stats, summed, and written as Prometheus text.
+
+Owns the shape of GET /v1/stats (per-replica figures and cluster-wide totals) and of GET /metrics
+(Prometheus text format 0.0.4: `rwkv_replica_*{replica="..."}` per replica and `rwkv_*` for the
+cluster). Never touches Ray or the engine: it reads what the registry returns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_HELP = {
+    "slots_capacity": "slots (sequences in flight at once)",
+    "slots_idle": "slots holding no request",
+    "slots_wait": "slots prefilling a prompt",
+    "slots_busy": "slots generating",
+    "waiting": "requests queued for a slot",
+    "running": "requests holding a slot",
+    "submitted": "requests accepted",
+    "generated_tokens": "tokens generated",
+    "prefilled_tokens": "prompt tokens run through the model",
+    "continued_tokens": "prompt tokens skipped by continuing an idle slot",
+    "busy_refusals": "requests refused because the waiting queue was full",
+    "cache_lookups": "prefix-cache lookups",
+    "cache_hits": "prefix-cache hits",
+    "cache_misses": "prefix-cache misses",
+    "cache_hit_tokens": "prompt tokens whose state came from the prefix cache",
+    "cache_device_bytes": "prefix-cache bytes in device memory",
+    "cache_host_bytes": "prefix-cache bytes in host memory",
+}
+_GAUGE_SUFFIXES = ("_bytes", "_entries")
+
+
+def stats_view(replicas: dict[str, dict], catalog_version: int) -> dict:
+    """The JSON of /v1/stats: each live replica's stats and their sum."""
+    per_replica = {name: {**r["stats"], "acked_version": r["acked_version"], "age_s": r["age_s"]}
+                   for name, r in sorted(replicas.items())}
+    total = sum_stats(r["stats"] for r in replicas.values())
+    return {"object": "stats", "catalog_version": catalog_version, "replica_count": len(replicas),
+            "replicas": per_replica, "total": total}
+
+
+def sum_stats(stats: Iterable[dict]) -> dict:
+    """Numbers summed key by key through nested dicts; anything else (lists, text) is left out."""
+    total: dict[str, Any] = {}
+    for one in stats:
+        _add(total, one)
+    return total
+
+
+def _add(total: dict, one: dict) -> None:
+    for key, value in one.items():
+        if isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+
+
+def prometheus_text(replicas: dict[str, dict], catalog_version: int) -> str:
+    lines = [
+        "# HELP rwkv_replicas live model replicas (pushed metrics recently)",
+        "# TYPE rwkv_replicas gauge",
+        f"rwkv_replicas {len(replicas)}",
+        "# HELP rwkv_init_state_catalog_version version of the init-state catalog",
+        "# TYPE rwkv_init_state_catalog_version gauge",
+        f"rwkv_init_state_catalog_version {catalog_version}",
+    ]
+    flat = {name: _flatten(r["stats"]) for name, r in sorted(replicas.items())}
+    totals = _flatten(sum_stats(r["stats"] for r in replicas.values()))
+    keys = sorted(set(totals).union(*flat.values())) if flat else []
+    for key in keys:
+        kind = "counter" if _is_counter(key) else "gauge"
+        suffix = "_total" if kind == "counter" else ""
+        help_text = _HELP.get(key, key.replace("_", " "))
+        lines += [f"# HELP rwkv_replica_{key}{suffix} {help_text}, per replica",
+                  f"# TYPE rwkv_replica_{key}{suffix} {kind}"]
+        lines += [f'rwkv_replica_{key}{suffix}{{replica="{_label(name)}"}} {_number(values.get(key, 0))}'
+                  for name, values in flat.items()]
+        lines += [f"# HELP rwkv_{key}{suffix} {help_text}, all replicas", f"# TYPE rwkv_{key}{suffix} {kind}",
+                  f"rwkv_{key}{suffix} {_number(totals.get(key, 0))}"]
+    return "\n".join(lines) + "\n"
+
+
+def _flatten(stats: dict) -> dict[str, float]:
+    """{"slots": {"busy": 1}, "counters": {"submitted": 3}, "cache": {"hits": 2}} ->
+    {"slots_busy": 1, "submitted": 3, "cache_hits": 2} (counters lose their group name)."""
+    flat: dict[str, float] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            prefix = "" if key == "counters" else f"{key}_"
+            flat.update({f"{prefix}{k}": v for k, v in _flatten(value).items()})
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[key] = value
+    return {_metric_name(k): v for k, v in flat.items()}
+
+
+def _is_counter(key: str) -> bool:
+    gauges = ("slots_", "waiting", "running", "age_s", "acked_version")
+    if key.startswith(gauges):
+        return False
+    return not key.endswith(_GAUGE_SUFFIXES)
+
+
+def _metric_name(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

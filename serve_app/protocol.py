@@ -1,0 +1,309 @@
+"""The HTTP API's schemas: OpenAI's request and response shapes, our extensions, and its errors.
+
+Owns what a client may send (unknown fields are ignored, as OpenAI's own clients expect; a wrong
+type is a 400), what it gets back, the OpenAI error body `{"error": {message, type, param, code}}`,
+and the mapping from request fields to the engine's `SamplingParams`. Never touches tokens, the
+model or Ray.
+
+RWKV extensions to the request (all optional): `init_state` (the id or name of a loaded init
+state to start from), `top_k`, `penalty_decay`, `stop_token_ids`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from replicas.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_CHOICES = 16  # prompts × n in one request
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                500: "server_error", 503: "server_error", 504: "server_error"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI error JSON with an HTTP status (and Retry-After for 503)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+def busy(retry_after: float | None = 1.0) -> ApiError:
+    return ApiError(503, "the server is busy: too many requests; try again shortly", code="overloaded",
+                    retry_after=retry_after or 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both generation endpoints take."""
+
+    model: str | None = Field(None, description="the served model's name (optional: there is one)")
+    temperature: float | None = Field(None, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, description="nucleus sampling; default 1")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    seed: int | None = None
+    user: str | None = None
+    init_state: str | None = Field(None, description="id or name of a loaded init state to start from")
+    top_k: int | None = Field(None, description="RWKV extension: keep the k most likely tokens (0 is off)")
+    penalty_decay: float | None = Field(None, description="RWKV extension: penalty counts decay by this per token")
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, description="tokens to generate at most (OpenAI's default: 16)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" for part in self.content):
+            raise ApiError(400, "only text content parts are supported", param="messages")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class StateFromFile(BaseModel):
+    """JSON body of POST /v1/states: load a file from the configured states directory."""
+
+    file: str = Field(description="a file name inside the states directory (no path)")
+    name: str | None = Field(None, description="the name requests use (default: the file's stem)")
+    default: bool = Field(False, description="requests that name no init state start from this one")
+
+
+# ---------------------------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rwkv-fleet"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class InitStateObject(BaseModel):
+    id: str
+    object: Literal["init_state"] = "init_state"
+    name: str
+    default: bool
+    version: int
+    created: int
+    bytes: int
+
+
+class InitStateList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[InitStateObject]
+    version: int = Field(description="the catalog's version: it changes with every load and unload")
+
+
+class InitStateLoaded(InitStateObject):
+    replicas: int = Field(description="replicas that loaded it")
+    pending_replicas: list[str] = Field([], description="live replicas that had not loaded it yet")
+
+
+class InitStateDeleted(BaseModel):
+    id: str
+    object: Literal["init_state"] = "init_state"
+    deleted: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# request fields -> engine parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for one choice of a request (the engine validates ranges)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, 0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        penalty_decay=_or(req.penalty_decay, 0.996),
+        logit_bias=_logit_bias(req.logit_bias),
+        seed=req.seed,
+        stop=tuple(dict.fromkeys(stop + extra_stop)),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(token): float(value) for token, value in (bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None

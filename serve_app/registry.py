@@ -1,0 +1,172 @@
+"""The registry: one named actor per application, the shared memory of the fleet.
+
+Owns the init-state catalog (id -> name, default flag, version, the safetensors bytes in the
+object store, owned by this actor so they outlive whoever uploaded them), the catalog's version,
+and the latest metrics each replica pushed (with the catalog version it has applied). Never on
+the path of a request: the ingress reads it for /v1/states and /metrics, replicas push to it
+every few seconds and long-poll it for catalog changes.
+
+It is detached and named after the application, so it outlives replica and ingress restarts and
+a redeploy of the same application; `rwkv-fleet serve` removes it when it stops. If the actor
+itself is lost, a new one starts empty and with a higher version, and replicas follow that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+
+NAMESPACE = "rwkv-fleet"
+STALE_INTERVALS = 3  # a replica silent for this many push intervals (plus a grace) is gone
+STALE_GRACE_S = 2.0
+
+
+def registry_name(app_name: str) -> str:
+    return f"rwkv-fleet-registry:{app_name}"
+
+
+def connect(app_name: str) -> ray.actor.ActorHandle:
+    """The application's registry, started if it is not running yet (any caller may be first)."""
+    return Registry.options(
+        name=registry_name(app_name), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_restarts=-1, max_task_retries=-1,
+    ).remote()
+
+
+def remove(app_name: str) -> None:
+    """Stops the application's registry (its init states go with it)."""
+    try:
+        ray.kill(ray.get_actor(registry_name(app_name), namespace=NAMESPACE))
+    except ValueError:
+        pass  # not running
+
+
+@dataclass
+class _Entry:
+    id: str
+    name: str
+    default: bool
+    version: int  # the catalog version that put it
+    created: int  # unix seconds
+    nbytes: int
+    ref: ray.ObjectRef  # the safetensors bytes
+
+    def summary(self) -> dict:
+        return {"id": self.id, "name": self.name, "default": self.default, "version": self.version,
+                "created": self.created, "bytes": self.nbytes}
+
+
+@dataclass
+class _Report:
+    stats: dict
+    acked_version: int | None
+    interval_s: float
+    at: float  # monotonic
+
+    def live(self, now: float) -> bool:
+        return now - self.at < STALE_INTERVALS * self.interval_s + STALE_GRACE_S
+
+
+@ray.remote
+class Registry:
+    def __init__(self) -> None:
+        # Versions start at the clock in ms: a restarted registry never repeats one replicas saw.
+        self._version = int(time.time() * 1000)
+        self._entries: dict[str, _Entry] = {}
+        self._reports: dict[str, _Report] = {}
+        self._changed = asyncio.Condition()  # notified when the catalog or an ack changes
+
+    # -- the init-state catalog ------------------------------------------------------------
+
+    async def put_state(self, name: str, data: bytes, default: bool) -> tuple[dict, int]:
+        """Adds a state, or replaces the one with this name (keeping its id); returns it and the version."""
+        old = self._find(name)
+        if default:
+            for entry in self._entries.values():
+                entry.default = False
+        entry = _Entry(old.id if old else f"state-{uuid.uuid4().hex[:12]}", name, default, 0,
+                       int(time.time()), len(data), ray.put(data))
+        self._entries[entry.id] = entry
+        await self._bump(entry)
+        return entry.summary(), self._version
+
+    async def delete_state(self, key: str) -> tuple[dict | None, int]:
+        """Removes the state with this id or name; (None, version) when there is none."""
+        entry = self._find(key)
+        if entry is None:
+            return None, self._version
+        del self._entries[entry.id]
+        await self._bump()
+        return entry.summary(), self._version
+
+    async def states(self) -> tuple[int, list[dict]]:
+        return self._version, [e.summary() for e in self._entries.values()]
+
+    async def catalog(self) -> tuple[int, list[dict]]:
+        """What replicas load: summaries with the object ref of each state's bytes."""
+        return self._version, [{**e.summary(), "ref": e.ref} for e in self._entries.values()]
+
+    async def wait_version(self, known: int | None, timeout: float) -> int:
+        """Returns the catalog version once it differs from `known`, or after `timeout` seconds."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._version != known), timeout)
+            except TimeoutError:
+                pass
+            return self._version
+
+    # -- replicas --------------------------------------------------------------------------
+
+    async def report(self, replica: str, stats: dict, acked_version: int | None, interval_s: float) -> None:
+        self._reports[replica] = _Report(stats, acked_version, interval_s, time.monotonic())
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def forget(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def replicas(self) -> dict[str, dict]:
+        """The live replicas' latest pushes: {replica: {stats, acked_version, age_s}}."""
+        now = time.monotonic()
+        self._drop_stale(now)
+        return {name: {"stats": r.stats, "acked_version": r.acked_version, "age_s": round(now - r.at, 3)}
+                for name, r in self._reports.items()}
+
+    async def wait_acked(self, version: int, timeout: float) -> tuple[list[str], list[str]]:
+        """Waits until every live replica has applied `version`; returns (acked, pending) replicas."""
+
+        def pending() -> list[str]:
+            self._drop_stale(time.monotonic())
+            return [n for n, r in self._reports.items() if r.acked_version is None or r.acked_version < version]
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: not pending()), timeout)
+            except TimeoutError:
+                pass
+        late = pending()
+        return [n for n in self._reports if n not in late], late
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _find(self, key: str) -> _Entry | None:
+        if key in self._entries:
+            return self._entries[key]
+        return next((e for e in self._entries.values() if e.name == key), None)
+
+    async def _bump(self, entry: _Entry | None = None) -> None:
+        self._version += 1
+        if entry is not None:
+            entry.version = self._version
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _drop_stale(self, now: float) -> None:
+        for name in [n for n, r in self._reports.items() if not r.live(now)]:
+            del self._reports[name]

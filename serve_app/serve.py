@@ -1,0 +1,153 @@
+"""`rwkv-fleet serve`: a local Ray (or the cluster at RAY_ADDRESS), Serve on a port, the app, until Ctrl-C.
+
+Owns the lifecycle of one interactive server: starting Ray and Serve, deploying the application
+and showing its replicas come up while the model loads, printing where it listens, and on
+Ctrl-C (or SIGTERM) removing what it started — Serve and Ray for a local Ray, only its own
+application and registry on a cluster it joined — and returning normally. Never touches requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+from .app import APP_NAME, build_app
+from .cli import CliError
+from .config import AppConfig, load_config
+
+POLL_S = 0.5
+
+
+def serve(args: argparse.Namespace) -> None:
+    config = load_config(args.config, {"model": args.model, "port": args.port, "replicas": args.replicas})
+    _check_model(config)
+    stop = _StopOnSignal()
+    import ray  # noqa: PLC0415 - slow to import: only after the arguments are known good
+    from ray import serve as ray_serve  # noqa: PLC0415
+
+    address = os.environ.get("RAY_ADDRESS")
+    _say(f"starting Ray {'(joining ' + address + ')' if address else '(local)'} ...")
+    ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False,
+             **({} if address else {"num_cpus": _local_cpus(config)}))
+    stop.install()  # after ray.init, which installs handlers of its own
+    try:
+        ray_serve.start(http_options={"host": config.host, "port": config.port})
+        ray_serve.run_many([ray_serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")],
+                           wait_for_applications_running=False)
+        if _wait_running(ray_serve, stop):
+            _say_ready(config)
+            stop.wait()
+        _say("stopping ...")
+    finally:
+        _teardown(ray, ray_serve, local=address is None)
+    _say("stopped")
+
+
+def _check_model(config: AppConfig) -> None:
+    """Fails fast, with one line, on a model directory the replicas could not open."""
+    from replicas.model.config import read_config  # noqa: PLC0415
+    from replicas.model.loader import default_model_dir  # noqa: PLC0415
+
+    model_dir = config.model or default_model_dir()
+    _, card = read_config(model_dir)
+    if not (model_dir / card.tokenizer).is_file():
+        raise CliError(f"{model_dir}: tokenizer file {card.tokenizer!r} is missing")
+
+
+def _local_cpus(config: AppConfig) -> int:
+    """Enough logical CPUs for every replica's reservation, even on a small machine."""
+    replicas = config.autoscaling.max_replicas if config.autoscaling else config.replicas
+    return max(os.cpu_count() or 1, math.ceil(replicas * config.num_cpus) + 1)
+
+
+def _wait_running(ray_serve, stop: _StopOnSignal) -> bool:
+    """Shows the replicas' progress until the app runs (True), fails (CliError) or Ctrl-C (False)."""
+    last = None
+    while not stop.is_set():
+        app = ray_serve.status().applications.get(APP_NAME)
+        if app is not None:
+            if app.status == "RUNNING":
+                return True
+            if app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise CliError(f"the application failed to start: {_first_line(app.message)}")
+            line = _progress(app)
+            if line != last:
+                _say(line)
+                last = line
+        stop.wait(POLL_S)
+    return False
+
+
+def _progress(app) -> str:
+    replica = app.deployments.get("Replica")
+    if replica is None:
+        return "deploying ..."
+    states = {str(getattr(k, "value", k)): v for k, v in replica.replica_states.items()}
+    total = sum(states.values())
+    return (f"loading the model: {states.get('RUNNING', 0)}/{total} replicas running "
+            f"({', '.join(f'{k.lower()} {v}' for k, v in sorted(states.items()) if k != 'RUNNING') or 'starting'})")
+
+
+def _say_ready(config: AppConfig) -> None:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    url = f"http://{host}:{config.port}"
+    _say(f"\nrwkv-fleet is serving at {url}/v1 (OpenAI-compatible; API docs at {url}/docs). Ctrl-C stops it.\n"
+         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+         """    -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'\n""")
+
+
+def _teardown(ray, ray_serve, local: bool) -> None:
+    from . import registry  # noqa: PLC0415
+
+    try:
+        if local:
+            ray_serve.shutdown()
+        else:
+            ray_serve.delete(APP_NAME)
+        registry.remove(APP_NAME)
+    finally:
+        ray.shutdown()
+
+
+def _first_line(message: str) -> str:
+    lines = [line for line in (message or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "see the Ray logs"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _StopOnSignal:
+    """Ctrl-C or SIGTERM asks to stop (once); a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self._event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        # Event.wait without a timeout cannot be interrupted by a signal handler on some platforms.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.is_set():
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            self._event.wait(left)
+        return self._event.is_set()

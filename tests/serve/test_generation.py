@@ -1,0 +1,163 @@
+"""Completions and chat over real HTTP: shapes, streaming framing, sampling fields, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.chat import ChatTemplate, render
+from serve_app.protocol import ChatMessage
+
+from .conftest import MAX_PROMPT_TOKENS, MODEL_NAME, sse_events
+
+pytestmark = pytest.mark.serve
+
+
+def complete(client, **body) -> dict:
+    response = client.post("/v1/completions", json={"max_tokens": 8, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(client, path: str, **body) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_events(list(response.iter_lines()))
+
+
+def test_completion_has_openai_shape(client):
+    body = complete(client, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == MODEL_NAME and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and isinstance(choice["text"], str) and choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+
+
+def test_streamed_completion_matches_the_whole_one(client):
+    request = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.8, "seed": 5}
+    whole = complete(client, **request)
+    events = stream(client, "/v1/completions", **request, stream_options={"include_usage": True})
+    *chunks, last = events
+    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 40
+    assert len(chunks) < 40  # coalesced, not one message per token
+
+
+def test_chat_uses_the_rwkv_template(client, tokenizer, served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\n\nthere"}]
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 10, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    prompt = render([ChatMessage(**m) for m in messages], served[1].chat)
+    assert prompt == "System: Be brief.\n\nUser: Hi\nthere\n\nAssistant:"
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+
+
+def test_streamed_chat_opens_with_the_role_and_ends_with_a_reason(client):
+    events = stream(client, "/v1/chat/completions", messages=[{"role": "user", "content": "Hello"}],
+                    max_tokens=20, seed=1, stream_options={"include_usage": True})
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] > 0
+
+
+def test_chat_role_names_and_system_message_come_from_the_config():
+    template = ChatTemplate(user="Q", assistant="A", system_message="You are terse.")
+    prompt = render([ChatMessage(role="user", content="2+2?")], template)
+    assert prompt == "System: You are terse.\n\nQ: 2+2?\n\nA:"
+
+
+def test_n_and_prompt_lists_give_one_choice_each(client):
+    body = complete(client, prompt=["a", "b"], n=2, seed=3, temperature=1.0, max_tokens=5)
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 20
+
+
+def test_token_id_prompts_and_echo(client, tokenizer):
+    ids = tokenizer.encode("Hello world")
+    body = complete(client, prompt=ids, echo=True, max_tokens=3)
+    assert body["choices"][0]["text"].startswith("Hello world")
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    free = complete(client, prompt="Numbers:", max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = free[5:8]
+    body = complete(client, prompt="Numbers:", max_tokens=30, temperature=0, stop=[stop])
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    assert free.startswith(choice["text"])
+
+
+def test_logit_bias_and_seed(client):
+    biased = complete(client, prompt="x", max_tokens=6, logit_bias={"65": 100}, temperature=1.0)
+    assert biased["choices"][0]["text"] == "@" * 6  # token 65 is the byte 64, "@"
+    one = complete(client, prompt="x", max_tokens=12, seed=42, temperature=1.2)["choices"][0]["text"]
+    two = complete(client, prompt="x", max_tokens=12, seed=42, temperature=1.2)["choices"][0]["text"]
+    assert one == two
+
+
+def test_logprobs_in_both_shapes(client):
+    body = complete(client, prompt="Hello", max_tokens=4, logprobs=2)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
+    assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp["top_logprobs"])
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 3})
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert all(isinstance(t["bytes"], list) and len(t["top_logprobs"]) == 3 for t in content)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": 5}, 400, None),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": [70000]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x", "init_state": "nobody"}, 404, "init_state"),
+    ({"prompt": [1] * (MAX_PROMPT_TOKENS + 1)}, 413, "prompt"),
+])
+def test_bad_requests_get_openai_errors(client, body, status, param):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if param:
+        assert error["param"].startswith(param)
+
+
+def test_malformed_bodies_and_unknown_fields(client):
+    response = client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": True})
+    assert response.status_code == 200
+    assert client.get("/v1/nowhere").json()["error"]["message"]
+
+
+def test_models_health_and_schema(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert client.get(f"/v1/models/{MODEL_NAME}").json()["object"] == "model"
+    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/health").json()["status"] == "ok"
+    schema = client.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/states", "/metrics"} <= set(schema["paths"])
