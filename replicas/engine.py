@@ -148,13 +148,9 @@ class RequestStream:
             self._done = True
             self._engine._send(("cancel", self.uid))
 
-    def _deliver(self, event: Event) -> bool:
-        """Engine thread: hands an event to the caller's loop; False when the caller is gone."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-            return True
-        except RuntimeError:  # the caller's event loop is closed
-            return False
+    def _deliver(self, event: Event) -> None:
+        """Engine thread: queues an event; the engine hands a step's events over in one go."""
+        self._engine._outbox.setdefault(self._loop, []).append((self._events, event))
 
 
 @dataclass
@@ -202,6 +198,7 @@ class Engine:
         self._idle_logits: dict[int, Tensor] = {}  # idle slot -> logits after its tokens
         self._uids = itertools.count(1)
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         self._queued = 0  # submitted and not yet holding a slot (guarded by _lock)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -302,8 +299,19 @@ class Engine:
                 log.exception("engine step failed")
                 for row in list(self._rows.values()):
                     self._finish(row, "error", f"internal error: {err}")
+            self._hand_over()
         for row in list(self._rows.values()):
             self._finish(row, "cancelled")
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Delivers the step's events: one wake-up per caller event loop, not one per token."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: its callers are gone
+                pass
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -563,6 +571,11 @@ class Engine:
             assert self._queued >= len(self._waiting)
         assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
         self.cache.check_integrity()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
 
 
 def _replace_default(init: InitState, default: bool) -> InitState:
