@@ -59,7 +59,10 @@ class ChoiceStreams:
     def cancel(self) -> None:
         """Cancels every call still running (their replicas cancel the rows)."""
         for call in self._calls:
-            call.cancel()
+            try:
+                call.cancel()
+            except Exception:  # noqa: S110 - Serve re-raises a failed call's error (e.g. back-pressure) here
+                pass
 
 
 async def _next(call: DeploymentResponseGenerator) -> Chunk | None:

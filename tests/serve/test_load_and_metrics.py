@@ -1,0 +1,94 @@
+"""Metrics that add up across replicas; overload answered with 503s and nothing lost; a client
+that disconnects mid-stream frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from .conftest import QUEUED, REPLICAS, SLOTS, WAITING, stats, wait_for
+
+pytestmark = pytest.mark.serve
+
+
+def generated(client) -> int:
+    return stats(client)["total"]["counters"].get("generated_tokens", 0)
+
+
+def idle(client) -> dict | None:
+    """The stats once no slot is in use anywhere (None while one is)."""
+    s = stats(client)
+    slots = s["total"]["slots"]
+    return s if slots["busy"] == 0 and slots["wait"] == 0 and s["total"]["waiting"] == 0 else None
+
+
+def test_metrics_add_up_across_replicas(client):
+    wait_for(lambda: idle(client), what="idle replicas")
+    before = generated(client)
+    usages = []
+    for i in range(6):
+        response = client.post("/v1/completions", json={"prompt": f"count {i}", "max_tokens": 7 + i})
+        usages.append(response.json()["usage"]["completion_tokens"])
+    wait_for(lambda: generated(client) - before == sum(usages), what="pushed token counts")
+
+    s = stats(client)
+    assert s["replica_count"] == REPLICAS
+    for key in ("generated_tokens", "submitted", "prefilled_tokens"):
+        assert s["total"]["counters"][key] == sum(r["counters"].get(key, 0) for r in s["replicas"].values())
+    assert s["total"]["slots"]["capacity"] == REPLICAS * SLOTS
+
+    text = client.get("/metrics")
+    assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
+    body = text.text
+    assert "# TYPE rwkv_generated_tokens_total counter" in body
+    per_replica = [float(v) for v in re.findall(r'^rwkv_replica_generated_tokens_total\{replica="[^"]+"\} (\S+)$',
+                                                  body, re.M)]
+    (total,) = re.findall(r"^rwkv_generated_tokens_total (\S+)$", body, re.M)
+    assert len(per_replica) == REPLICAS and sum(per_replica) == float(total)
+    assert re.search(rf"^rwkv_slots_capacity {REPLICAS * SLOTS}$", body, re.M)
+
+
+async def _one_streamed(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool]:
+    """(status, Retry-After, finished properly)."""
+    body = {"prompt": f"load {i}", "max_tokens": 48, "stream": True, "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line async for line in response.aiter_lines() if line]
+    finished = lines[-1:] == ["data: [DONE]"] and '"finish_reason":"length"' in lines[-2]
+    return response.status_code, response.headers.get("retry-after"), finished
+
+
+def test_overload_gets_503_and_loses_nothing(client, base_url):
+    wait_for(lambda: idle(client), what="idle replicas")
+    capacity = REPLICAS * (SLOTS + WAITING) + QUEUED
+    count = 3 * capacity
+
+    async def flood():
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(_one_streamed(c, i) for i in range(count)))
+
+    results = asyncio.run(flood())
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503}, statuses
+    assert all(done for status, _, done in results if status == 200)
+    assert all(retry and int(retry) >= 1 for status, retry, _ in results if status == 503)
+    assert statuses.count(200) >= REPLICAS * SLOTS and statuses.count(503) > 0
+    wait_for(lambda: idle(client), what="every slot freed after the flood")
+
+
+def test_a_client_that_disconnects_frees_its_slot(client, base_url):
+    wait_for(lambda: idle(client), what="idle replicas")
+    cancelled_before = stats(client)["total"]["counters"].get("finished_cancelled", 0)
+    body = {"prompt": "go on forever", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            wait_for(lambda: stats(client)["total"]["slots"]["busy"] == 1, what="the stream's slot in use")
+        # leaving the block closes the connection mid-stream
+    wait_for(lambda: idle(client), timeout=20, what="the slot freed after the disconnect")
+    cancelled = stats(client)["total"]["counters"].get("finished_cancelled", 0)
+    assert cancelled == cancelled_before + 1

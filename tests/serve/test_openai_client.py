@@ -1,0 +1,48 @@
+"""The official openai Python client against the server."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .conftest import MODEL_NAME
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture
+def oai(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_completions(oai):
+    assert [m.id for m in oai.models.list()] == [MODEL_NAME]
+    completion = oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, seed=1)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 5
+    chunks = list(oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, seed=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == completion.choices[0].text
+
+
+def test_chat_whole_and_streamed(oai):
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, seed=2)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, seed=2, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_extensions_through_extra_body_and_errors(oai):
+    chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body={"top_k": 5, "penalty_decay": 0.9})
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"init_state": "nobody"})
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], temperature=9)

@@ -1,0 +1,95 @@
+"""Init states through the API: a state loaded once is used by requests on every replica."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from .conftest import REPLICAS, random_state_bytes, stats, wait_for
+
+pytestmark = pytest.mark.serve
+
+GREEDY = {"prompt": "Tell me", "max_tokens": 12, "temperature": 0}
+
+
+def upload(client, name: str, data: bytes, default: bool = False):
+    return client.post("/v1/states", params={"name": name, "default": str(default).lower()}, content=data,
+                       headers={"Content-Type": "application/octet-stream"})
+
+
+def greedy_text(client, **extra) -> str:
+    response = client.post("/v1/completions", json={**GREEDY, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def submitted(client) -> dict[str, int]:
+    return {name: r["counters"].get("submitted", 0) for name, r in stats(client)["replicas"].items()}
+
+
+def test_an_uploaded_state_is_used_on_every_replica(client, base_url):
+    plain = greedy_text(client)
+    response = upload(client, "poet", random_state_bytes(seed=1, scale=2.0))
+    assert response.status_code == 200, response.text
+    loaded = response.json()
+    assert loaded["object"] == "init_state" and loaded["name"] == "poet" and loaded["replicas"] == REPLICAS
+    listed = client.get("/v1/states").json()
+    assert [s["name"] for s in listed["data"]] == ["poet"] and listed["version"] >= loaded["version"]
+
+    # Every replica answers requests naming it (by name and by id) with the same greedy text,
+    # which is not the zero state's.
+    before = submitted(client)
+    texts: set[str] = set()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        def both_used() -> bool:
+            keys = ["poet", loaded["id"]] * 4
+            texts.update(pool.map(lambda key: greedy_text(client, init_state=key), keys))
+            now = submitted(client)
+            return all(now.get(r, 0) > before.get(r, 0) for r in now) and len(now) == REPLICAS
+        wait_for(both_used, timeout=60, interval=0.3, what="requests on both replicas")
+    assert len(texts) == 1 and texts != {plain}
+
+    deleted = client.delete(f"/v1/states/{loaded['id']}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    for _ in range(2 * REPLICAS):  # unloaded everywhere the moment DELETE returned
+        response = client.post("/v1/completions", json={**GREEDY, "init_state": "poet"})
+        assert response.status_code == 404 and response.json()["error"]["code"] == "init_state_not_found"
+    assert client.get("/v1/states").json()["data"] == []
+
+
+def test_a_default_state_applies_to_requests_that_name_none(client):
+    plain = greedy_text(client)
+    upload_response = upload(client, "house-style", random_state_bytes(seed=2, scale=2.0), default=True)
+    assert upload_response.status_code == 200, upload_response.text
+    try:
+        styled = {greedy_text(client) for _ in range(2 * REPLICAS)}
+        assert len(styled) == 1 and styled != {plain}
+    finally:
+        assert client.delete("/v1/states", params={"name": "house-style"}).status_code == 200
+    assert greedy_text(client) == plain
+
+
+def test_states_from_the_states_directory_by_file_name_only(client):
+    response = client.post("/v1/states", json={"file": "persona.safetensors"})
+    assert response.status_code == 200, response.text
+    assert response.json()["name"] == "persona"
+    assert greedy_text(client, init_state="persona")
+    for bad in ("../outside.safetensors", "/etc/passwd", ".hidden", "sub/persona.safetensors"):
+        response = client.post("/v1/states", json={"file": bad})
+        assert response.status_code == 400, (bad, response.text)
+    assert client.post("/v1/states", json={"file": "missing.safetensors"}).status_code == 404
+    assert client.delete("/v1/states/persona").status_code == 200
+
+
+def test_bad_states_are_refused_before_any_replica_sees_them(client):
+    assert upload(client, "junk", b"not a safetensors file").status_code == 400
+    wrong = save({"wkv": torch.zeros(2, 2, 16, 16)})
+    response = upload(client, "wrong-shape", wrong)
+    assert response.status_code == 400 and "shape" in response.json()["error"]["message"]
+    assert upload(client, "bad/name", random_state_bytes(seed=3)).status_code == 400
+    assert upload(client, "huge", b"\0" * (8 << 20)).status_code == 413
+    assert client.delete("/v1/states/nobody").status_code == 404
+    assert client.get("/v1/states").json()["data"] == []
