@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from replicas.deployment import ReplicaConfig
 from replicas.engine import EngineConfig
@@ -75,6 +75,11 @@ class AppConfig(BaseModel):
     state_sync_timeout_s: float = Field(30.0, gt=0, description="how long POST /v1/states waits for every replica")
 
     model_config = {"extra": "forbid"}  # a misspelt knob in a config file is an error, not a silent default
+
+    @field_validator("model", "states_dir")
+    @classmethod
+    def _home(cls, path: Path | None) -> Path | None:
+        return path.expanduser() if path is not None else None
 
     def max_ongoing_requests(self) -> int:
         """What one replica accepts at once: its slots plus its waiting queue."""

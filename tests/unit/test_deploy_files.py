@@ -1,0 +1,52 @@
+"""The deploy files: cluster.yaml against Ray's own cluster schema; serve_config.yaml builds an app."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import ray.autoscaler
+import yaml
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.config import AppConfig, read_config_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cluster_yaml_follows_rays_schema():
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    jsonschema.validate(cluster, schema)
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types
+    workers = [t for name, t in types.items() if name != cluster["head_node_type"]]
+    assert any(t["node_config"]["InstanceType"].startswith(("g", "p")) for t in workers)  # a GPU worker type
+    assert all(t["min_workers"] <= t["max_workers"] <= cluster["max_workers"] for t in workers)
+    assert any("-e ~/rwkv-fleet" in command for command in cluster["setup_commands"])
+
+
+def test_serve_config_builds_an_application_without_ray():
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    deploy = ServeDeploySchema.model_validate(config)
+    (app,) = deploy.applications
+    module, name = app.import_path.split(":")
+    builder = getattr(__import__(module, fromlist=[name]), name)
+    assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
+    assert AppConfig.model_validate(app.args).num_gpus == "auto"
+
+
+def test_rwkv_fleet_serve_reads_serve_config_args():
+    assert read_config_file(ROOT / "serve_config.yaml")["engine"]["max_slots"] == 32
+
+
+def test_deployment_options_follow_the_config():
+    config = AppConfig(engine={"max_slots": 6, "max_waiting": 10}, replicas=3)
+    options = config.replica_options(num_gpus=1)
+    assert options["ray_actor_options"]["num_gpus"] == 1
+    assert options["max_ongoing_requests"] == 16 and options["num_replicas"] == 3
+    scaled = AppConfig(autoscaling={"min_replicas": 1, "max_replicas": 5}).replica_options(num_gpus=0)
+    assert "num_replicas" not in scaled and scaled["autoscaling_config"]["max_replicas"] == 5
+    assert scaled["autoscaling_config"]["target_ongoing_requests"] == AppConfig().engine.max_slots
+    assert config.replica_config(num_gpus=0).device == "cpu" and config.replica_config(num_gpus=1).device == "cuda"
