@@ -48,7 +48,9 @@ from .model.loader import open_model
 from .sampling import InvalidRequest, TokenLogprob
 from .tokenizer import Tokenizer
 
-log = logging.getLogger("rwkv_fleet.replica")
+# A child of Serve's logger: Serve sends it to the replica's log file and, under `rwkv-fleet serve`,
+# to the terminal (the model's loading progress shows there).
+log = logging.getLogger("ray.serve.rwkv_fleet.replica")
 
 HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
 

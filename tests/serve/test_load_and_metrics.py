@@ -92,3 +92,14 @@ def test_a_client_that_disconnects_frees_its_slot(client, base_url):
     wait_for(lambda: idle(client), timeout=20, what="the slot freed after the disconnect")
     cancelled = stats(client)["total"]["counters"].get("finished_cancelled", 0)
     assert cancelled == cancelled_before + 1
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(client, base_url):
+    wait_for(lambda: idle(client), what="idle replicas")
+    cancelled_before = stats(client)["total"]["counters"].get("finished_cancelled", 0)
+    body = {"prompt": "go on forever", "max_tokens": 100000, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=httpx.Timeout(60, read=1.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)  # the client closes the connection at the timeout
+    wait_for(lambda: idle(client), timeout=20, what="the slot freed after the client gave up")
+    assert stats(client)["total"]["counters"].get("finished_cancelled", 0) == cancelled_before + 1

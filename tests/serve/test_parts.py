@@ -1,0 +1,141 @@
+"""The serving parts without Ray: coalescing, the replica body over a real engine, metrics text,
+the chat template, request mapping. Fast; no marker."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from replicas.deployment import Chunk, Replica, ReplicaConfig, coalesce
+from replicas.engine import Delta, Finished, Request, Started, Usage
+from replicas.sampling import SamplingParams
+from serve_app.chat import LeadingSpace
+from serve_app.metrics import prometheus_text, stats_view, sum_stats
+from serve_app.protocol import ApiError, ChatCompletionRequest, CompletionRequest, sampling_params
+from serve_app.responses import Outcome, usage_of
+
+from .conftest import write_random_model
+
+
+class FakeStream:
+    """A RequestStream stand-in: events put on a queue by the test, with delays."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        self.done = isinstance(event, Finished)
+        return event
+
+
+def delta(text: str = "x") -> Delta:
+    return Delta(text, (1,))
+
+
+def test_coalesce_bounds_groups_by_size_and_by_time():
+    async def run():
+        stream = FakeStream()
+        groups = []
+
+        async def consume():
+            async for group in coalesce(stream, max_delay=0.05, max_tokens=4):
+                groups.append([type(e).__name__ for e in group])
+
+        task = asyncio.create_task(consume())
+        stream.queue.put_nowait(Started(3, 0))
+        for _ in range(6):  # a burst: one full group of 4, then 2 left
+            stream.queue.put_nowait(delta())
+        await asyncio.sleep(0.2)  # the 2 leftover go out by the deadline, not with the next token
+        assert groups == [["Delta"] * 4, ["Delta"] * 2]
+        stream.queue.put_nowait(delta())
+        stream.queue.put_nowait(Finished("length", Usage(3, 7, 0)))
+        await task
+        return groups
+
+    groups = asyncio.run(run())
+    assert groups[-1] == ["Delta", "Finished"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("parts"))
+
+
+def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir):
+    async def run():
+        replica = Replica.__new__(Replica)
+        await replica.__init__(ReplicaConfig(model_dir=model_dir, engine={"max_slots": 2}))
+        try:
+            chunks = [c async for c in replica.generate(Request([1, 2, 3], SamplingParams(max_tokens=20)))]
+            assert chunks[0] == Chunk() and chunks[-1].finish_reason == "length"
+            assert chunks[-1].usage.completion_tokens == 20 and len(chunks) < 20
+
+            refused = [c async for c in replica.generate(Request([1], SamplingParams(), init_state="none"))]
+            assert [c.error.status for c in refused] == [404]
+
+            endless = replica.generate(Request([1, 2], SamplingParams(max_tokens=100000, ignore_eos=True)))
+            await anext(endless)
+            await anext(endless)
+            await endless.aclose()  # what the ingress's cancelled call amounts to
+            for _ in range(100):
+                stats = replica.engine.snapshot_stats()
+                if stats["counters"].get("finished_cancelled"):
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["slots"]["busy"] == 0 and stats["counters"]["finished_cancelled"] == 1
+            await replica.check_health()
+            replica.engine.check_integrity()
+        finally:
+            replica.__del__()
+
+    asyncio.run(run())
+
+
+def test_metrics_text_has_each_replica_and_the_totals():
+    pushed = {
+        "a": {"stats": {"slots": {"capacity": 4, "busy": 1}, "counters": {"generated_tokens": 10},
+                        "cache": {"hits": 2, "device_bytes": 100}}, "acked_version": 5, "age_s": 0.1},
+        "b": {"stats": {"slots": {"capacity": 4, "busy": 0}, "counters": {"generated_tokens": 5},
+                        "cache": {"hits": 1, "device_bytes": 50}}, "acked_version": 5, "age_s": 0.2},
+    }
+    text = prometheus_text(pushed, 5)
+    assert 'rwkv_replica_generated_tokens_total{replica="a"} 10' in text
+    assert "rwkv_generated_tokens_total 15" in text and "rwkv_slots_busy 1" in text
+    assert "# TYPE rwkv_cache_device_bytes gauge" in text and "# TYPE rwkv_cache_hits_total counter" in text
+    for line in text.splitlines():  # every sample line is `name{labels} number`
+        assert line.startswith("#") or re.fullmatch(r'[a-z_]+(\{replica="[^"]+"\})? -?[0-9.e+]+', line), line
+    view = stats_view(pushed, 5)
+    assert view["total"]["cache"]["hits"] == 3 and view["replicas"]["a"]["acked_version"] == 5
+    assert sum_stats([{"x": 1, "l": [1]}, {"x": 2}]) == {"x": 3}
+
+
+def test_usage_counts_a_prompt_once_for_its_n_choices():
+    outcomes = [Outcome(usage=Usage(10, 3, 4)), Outcome(usage=Usage(10, 5, 4)), Outcome(usage=Usage(7, 1, 0))]
+    usage = usage_of(outcomes, prompt_of=[0, 0, 1])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (17, 9, 26)
+    assert usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_request_fields_map_to_sampling_params():
+    body = CompletionRequest(prompt="x", stop="END", logit_bias={"5": 2.5}, temperature=0, top_k=3)
+    params = sampling_params(body, 9, ["\n\n"], None)
+    assert params.stop == ("END", "\n\n") and params.logit_bias == {5: 2.5}
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (9, 0, 3, 1.0)
+    with pytest.raises(ApiError):
+        sampling_params(CompletionRequest(prompt="x", logit_bias={"a": 1}), 1, [], None)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert chat.messages[0].text() == "hi"
+
+
+def test_leading_space_of_a_reply_is_dropped_once():
+    lead = LeadingSpace()
+    assert [lead.strip(t) for t in [" ", "  Hello", " world"]] == ["", "Hello", " world"]
