@@ -45,7 +45,7 @@ def serve(args: argparse.Namespace) -> None:
             stop.wait()
         _say("stopping ...")
     finally:
-        _teardown(ray, ray_serve, local=address is None)
+        _teardown(ray, ray_serve)
     _say("stopped")
 
 
@@ -86,10 +86,10 @@ def _wait_running(ray_serve, stop: _StopOnSignal) -> bool:
 
 def _progress(app) -> str:
     replica = app.deployments.get("Replica")
-    if replica is None:
-        return "deploying ..."
-    states = {str(getattr(k, "value", k)): v for k, v in replica.replica_states.items()}
+    states = {str(getattr(k, "value", k)): v for k, v in (replica.replica_states if replica else {}).items()}
     total = sum(states.values())
+    if not total:
+        return "deploying ..."
     return (f"loading the model: {states.get('RUNNING', 0)}/{total} replicas running "
             f"({', '.join(f'{k.lower()} {v}' for k, v in sorted(states.items()) if k != 'RUNNING') or 'starting'})")
 
@@ -102,14 +102,11 @@ def _say_ready(config: AppConfig) -> None:
          """    -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'\n""")
 
 
-def _teardown(ray, ray_serve, local: bool) -> None:
+def _teardown(ray, ray_serve) -> None:
     from . import registry  # noqa: PLC0415
 
     try:
-        if local:
-            ray_serve.shutdown()
-        else:
-            ray_serve.delete(APP_NAME)
+        ray_serve.delete(APP_NAME)  # drains the replicas; a local Ray's Serve goes down with Ray itself
         registry.remove(APP_NAME)
     finally:
         ray.shutdown()
