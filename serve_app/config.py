@@ -5,7 +5,7 @@ the chat template, init states, streaming and metrics. Deployment options are de
 by plain functions, so they can be checked without a cluster. Never touches Ray or HTTP.
 
 The file is YAML or JSON holding these fields, or a Serve config file (serve_config.yaml), whose
-first application's `args` are taken.
+first application's `args` (and `http_options` host and port) are taken.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     body = body or {}
     if not isinstance(body, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")
-    if "applications" in body:  # a Serve config file: take the first application's args
+    if "applications" in body:  # a Serve config file: the first application's args, its HTTP host and port
+        http = {k: v for k, v in (body.get("http_options") or {}).items() if k in ("host", "port")}
         apps = body["applications"] or [{}]
-        body = apps[0].get("args") or {}
+        body = {**http, **(apps[0].get("args") or {})}
     return body

@@ -162,12 +162,7 @@ class Ingress:
     @api.post("/v1/completions", summary="Create a completion")
     async def completions(self, body: CompletionRequest) -> Response:
         self._check_model(body.model)
-        if body.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix")
-        if body.best_of not in (None, body.n):
-            raise ApiError(400, "best_of other than n is not supported", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported", param="echo")
+        body.refuse_unsupported()
         prompts = await self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
         params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size)
@@ -179,12 +174,7 @@ class Ingress:
     @api.post("/v1/chat/completions", summary="Create a chat completion")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
-        if body.tools:
-            raise ApiError(400, "tools are not supported", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only the text response format is supported", param="response_format")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        body.refuse_unsupported()
         prompt = await self._encode(chat.render(body.messages, self.config.chat))
         max_tokens = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

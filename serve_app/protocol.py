@@ -98,6 +98,14 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
+    def refuse_unsupported(self) -> None:
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise ApiError(400, "best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported", param="echo")
+
 
 class TextPart(BaseModel):
     type: str
@@ -126,6 +134,14 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only the text response format is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 class StateFromFile(BaseModel):

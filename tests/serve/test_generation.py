@@ -7,7 +7,7 @@ import pytest
 from serve_app.chat import ChatTemplate, render
 from serve_app.protocol import ChatMessage
 
-from .conftest import MAX_PROMPT_TOKENS, MODEL_NAME, sse_events
+from .conftest import MAX_PROMPT_TOKENS, MODEL_NAME, REPLICAS, sse_events
 
 pytestmark = pytest.mark.serve
 
@@ -61,6 +61,16 @@ def test_chat_uses_the_rwkv_template(client, tokenizer, served):
     prompt = render([ChatMessage(**m) for m in messages], served[1].chat)
     assert prompt == "System: Be brief.\n\nUser: Hi\nthere\n\nAssistant:"
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client):
+    system = "You are a patient assistant who answers questions about rivers, lakes and the sea. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+    cached = []
+    for _ in range(REPLICAS + 1):  # some replica sees the prompt twice
+        response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and max(cached) > 32
 
 
 def test_streamed_chat_opens_with_the_role_and_ends_with_a_reason(client):

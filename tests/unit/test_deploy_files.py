@@ -38,7 +38,9 @@ def test_serve_config_builds_an_application_without_ray():
 
 
 def test_rwkv_fleet_serve_reads_serve_config_args():
-    assert read_config_file(ROOT / "serve_config.yaml")["engine"]["max_slots"] == 32
+    args = read_config_file(ROOT / "serve_config.yaml")
+    assert args["engine"]["max_slots"] == 32 and args["port"] == 8000
+    AppConfig.model_validate(args)
 
 
 def test_deployment_options_follow_the_config():
