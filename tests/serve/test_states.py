@@ -93,3 +93,24 @@ def test_bad_states_are_refused_before_any_replica_sees_them(client):
     assert upload(client, "huge", b"\0" * (8 << 20)).status_code == 413
     assert client.delete("/v1/states/nobody").status_code == 404
     assert client.get("/v1/states").json()["data"] == []
+
+
+def test_states_outlive_a_replica_restart(client):
+    import ray
+
+    loaded = upload(client, "survivor", random_state_bytes(seed=4, scale=2.0)).json()
+    old = set(stats(client)["replicas"])
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if "#Replica#" in a["name"] and a["name"].rsplit("#", 1)[-1] in old)
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+
+    def replaced() -> dict | None:
+        replicas = stats(client)["replicas"]
+        fresh = set(replicas) - old
+        return replicas if len(replicas) == REPLICAS and fresh else None
+
+    replicas = wait_for(replaced, timeout=90, interval=0.5, what="a replacement replica")
+    assert all(loaded["id"] in r["init_states"] for r in replicas.values())  # the new one loaded it at start
+    texts = {greedy_text(client, init_state="survivor") for _ in range(2 * REPLICAS)}
+    assert len(texts) == 1
+    assert client.delete("/v1/states/survivor").status_code == 200
