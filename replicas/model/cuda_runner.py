@@ -1,0 +1,434 @@
+"""The CUDA model runner: RWKV-7 over a slot table on one GPU, with the contract of runner.py.
+
+Owns the packed bf16 weights, the fp32 states of `max_slots` slots plus one scratch slot, the
+CUDA graphs of the decode step, and the choice of kernels. Knows nothing of requests or
+sampling (the engine samples the logits where they are, on the GPU).
+
+Decode (`decode`): one token per row, run as a CUDA graph captured per batch-size bucket
+(1, 2, 4, …) and replayed with the rows' tokens and slots copied into its static input; rows that
+pad a bucket run on the scratch slot. Per layer:
+    small batches (≤ small_batch rows): 7 kernels — LayerNorm + token shift + six mixes; r, k, v
+      and the four LoRA first stages (activated) as one grouped gemv; the time-mix core (LoRA second
+      stages, decay, kk, a, state update in place at the slots, GroupNorm, bonus, gate); output
+      projection added into the fp32 residual (split-K atomics); LayerNorm + shift for the channel
+      mix; key with relu² fused; value added into the residual. All products read the weights once.
+    larger batches: cuBLAS products (bound by matrix throughput there) and the same fused kernels.
+Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
+recurrence in the chunked parallel form (fla-core's chunk_rwkv7 with cu_seqlens) or, without
+fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
+host synchronisation: inputs reach the GPU in one asynchronous copy per call.
+
+The math is rwkv7.py's; tests/gpu check every path against it in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import kernels as K
+from .rwkv7 import RWKV7
+from .state import RNNState
+
+log = logging.getLogger(__name__)
+
+LORA_ALIGN = 64  # LoRA widths are padded to this in the packed weights (gemv blocks never straddle)
+
+
+@dataclass
+class _Layer:
+    """One block's weights, packed for the kernels (C = n_embd, Rp = padded LoRA widths)."""
+
+    ln1: tuple[Tensor, Tensor]  # fp32 [C] weight, bias
+    ln2: tuple[Tensor, Tensor]
+    mix_att: Tensor  # [6, C] fp32: x_r, x_k, x_v, x_w, x_a, x_g (the mixed buffer's group order)
+    mix_ffn: Tensor  # [1, C] fp32
+    prm: Tensor  # [8, C] fp32: w0, a0, v0, k_k, k_a, r_k, ln_x.weight, ln_x.bias
+    w_in: Tensor  # [3C + ΣRp, C]: receptance, key, value, then w1ᵀ a1ᵀ v1ᵀ g1ᵀ (zero-padded rows)
+    w2: Tensor  # [4C, max Rp]: w2ᵀ, a2ᵀ, v2ᵀ, g2ᵀ (zero-padded columns)
+    wo: Tensor  # [C, C]
+    wfk: Tensor  # [F, C]
+    wfv: Tensor  # [C, F]
+    lora1: tuple[Tensor, ...]  # views of w_in: [R, C] for w, a, v, g
+    lora2: tuple[Tensor, ...]  # views of w2: [C, R] for w, a, v, g
+
+
+@dataclass
+class _Batch:
+    """What a prefill call sends to the GPU (one copy), as views."""
+
+    tokens: Tensor  # [T]
+    tok_slot: Tensor  # [T] slot on a row's first token, else -1
+    tok_row: Tensor  # [T] row on a row's last token, else -1
+    lasts: Tensor  # [R] each row's last token
+    slots: Tensor  # [R]
+    rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
+    cu_seqlens: Tensor  # [R + 1]
+    cu_seqlens_cpu: Tensor
+    chunk_indices: Tensor | None  # fla's [n_chunks, 2] (row, chunk in row)
+
+
+def _buckets(max_rows: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [b]
+
+
+class CudaRunner:
+    """RWKV-7 on one CUDA device; prefill/decode/read_state/write_state/reset as runner.py says.
+
+    dtype: weights and activations between kernels (bf16; fp16 works too); states stay fp32.
+    graphs: capture decode steps as CUDA graphs (default: on a CUDA device).
+    small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS.
+    fuse_lora: decode batches up to this many rows compute the LoRA second stages inside the
+      time-mix kernel (one launch less; each row re-reads those small weights from L2).
+    prefill_wkv: "chunked" (fla-core), "recurrent" (Triton), or "auto" (chunked where fla imports).
+    """
+
+    def __init__(
+        self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.bfloat16, graphs: bool | None = None,
+        small_batch: int = 16, fuse_lora: int = 4, prefill_wkv: str = "auto",
+    ):
+        self.config = cfg = model.config
+        self.device = next(model.parameters()).device
+        self.max_slots = max_slots
+        self.scratch = max_slots  # the extra slot that padding rows of a graph bucket write to
+        self.dtype = dtype
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.small_batch = small_batch
+        self.fuse_lora = fuse_lora
+        self.C, self.H, self.N, self.F = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.ffn_dim
+        self.ranks = (cfg.w_lora, cfg.a_lora, cfg.v_lora, cfg.g_lora)
+        self.padded = tuple(-(-r // LORA_ALIGN) * LORA_ALIGN for r in self.ranks)
+        self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))
+        self.n_in = 3 * self.C + sum(self.padded)
+        self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                     if self.device.type == "cuda" else 132)
+        self._pack(model)
+        # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
+        self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
+        self._tables()
+        self._mm_f32 = self._pick_f32_matmul()
+        self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._pool = None
+        self.buckets = _buckets(max_slots)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # -- the contract ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
+        """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32."""
+        self._check_rows(rows, len(chunks))
+        if any(len(c) == 0 for c in chunks):
+            raise ValueError("every chunk needs at least one token")
+        return self._prefill_body(self._batch(rows, chunks))
+
+    @torch.no_grad()
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
+        """Advances each row by one token; logits [R, V] fp32 (a fresh tensor, never overwritten)."""
+        self._check_rows(rows, len(tokens))
+        B = len(rows)
+        if not self.graphs:
+            io = torch.tensor([list(tokens), list(rows)], dtype=torch.int32).to(self.device)
+            return self._decode_body(io[0], io[1], B)
+        bucket = next(b for b in self.buckets if b >= B)
+        graph, io, logits = self._graphs.get(bucket) or self._capture(bucket)
+        host = torch.empty(2, bucket, dtype=torch.int32)
+        host[0].zero_()
+        host[1].fill_(self.scratch)
+        host[0, :B] = torch.tensor(tokens, dtype=torch.int32)
+        host[1, :B] = torch.tensor(rows, dtype=torch.int32)
+        io.copy_(host, non_blocking=True)  # from pageable memory: staged at once, no device sync
+        graph.replay()
+        return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
+
+    def read_state(self, slot: int) -> RNNState:
+        return self.states.take([slot])
+
+    def write_state(self, slot: int, state: RNNState) -> None:
+        if not state.fits(self.config) or state.rows != 1:
+            raise ValueError("state does not fit this model")
+        self.states.put([slot], state)
+
+    def reset(self, slot: int) -> None:
+        for tensor in self.states.tensors():
+            tensor[:, slot].zero_()
+
+    def capture(self, batch_sizes: Sequence[int] | None = None) -> None:
+        """Captures the decode graphs of the buckets these batch sizes fall in (default: all)."""
+        if self.graphs:
+            for size in batch_sizes or self.buckets:
+                bucket = next(b for b in self.buckets if b >= size)
+                if bucket not in self._graphs:
+                    self._capture(bucket)
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        io = torch.zeros(2, bucket, dtype=torch.int32, device=self.device)
+        io[1].fill_(self.scratch)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile kernels, create cuBLAS handles; writes only the scratch slot
+            for _ in range(2):
+                self._decode_body(io[0], io[1], bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Every graph shares one pool: only temporaries live there besides each graph's logits,
+        # which stay referenced, and graphs never run concurrently.
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._decode_body(io[0], io[1], bucket)
+        self._graphs[bucket] = (graph, io, logits)
+        return self._graphs[bucket]
+
+    def _decode_body(self, tokens: Tensor, idx: Tensor, B: int) -> Tensor:
+        """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V]."""
+        small = B <= self.small_batch
+        st, C, dt = self.states, self.C, self.dtype
+        x = K.embed_ln(tokens, self.emb, *self.ln0)  # [B, C] fp32
+        v_first = torch.empty(B, C, device=self.device, dtype=dt)
+        dx = None  # the large path's pending residual update; the small path adds into x directly
+        for i, lw in enumerate(self.layers):
+            mixed = K.ln_shift_mix(x, dx, x, *lw.ln1, st.att_shift[i], lw.mix_att, idx, dt)
+            if small:
+                proj = torch.empty(B, self.n_in, device=self.device, dtype=dt)
+                K.gemv(mixed, lw.w_in, proj, B, table=self.table_in, n_sm=self.n_sm)
+                lora = None
+                if B > self.fuse_lora:
+                    lora = torch.empty(B, 4 * C, device=self.device, dtype=dt)
+                    K.gemv(proj, lw.w2, lora, B, table=self.table_lora2, n_sm=self.n_sm)
+                y = self._wkv_decode(proj, (proj.stride(0), C), lora, (4 * C, C), lw, v_first, i, idx)
+                K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+                kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, dt)
+                kf = torch.empty(B, self.F, device=self.device, dtype=dt)
+                K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
+                K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+            else:
+                rkv, lora = self._projections(lw, mixed, B, first=i == 0)
+                y = self._wkv_decode(rkv, (C, B * C), lora, (C, B * C), lw, v_first, i, idx)
+                dx = torch.mm(y, lw.wo.t())
+                kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, dt)
+                dx = self._ffn(lw, kin)
+        hn = K.add_ln(x, dx, *self.ln_out, None, dt)
+        if small:
+            logits = torch.empty(B, self.vocab_size, device=self.device, dtype=torch.float32)
+            return K.gemv(hn, self.head, logits, B, n_sm=self.n_sm)
+        return self._mm_f32(hn, self.head.t())
+
+    def _wkv_decode(self, p, p_strides, lora, lora_strides, lw: _Layer, v_first, i: int, idx) -> Tensor:
+        """The fused time-mix core; p holds r, k, v (and the LoRA hiddens when lora is None)."""
+        return K.wkv_decode(p, p_strides, lora, lora_strides, lw.w2, self.hidden_cols, self.ranks, v_first,
+                            lw.prm, self.states.wkv[i], idx, self.H, i == 0, self.dtype)
+
+    # -- products of the large path (cuBLAS) ----------------------------------------------------
+
+    def _projections(self, lw: _Layer, mixed: Tensor, T: int, first: bool) -> tuple[Tensor, Tensor]:
+        """r, k, v -> [3, T, C]; LoRA outputs wl, al, vl, g -> [4, T, C] (vl unset on layer 0)."""
+        C, dt = self.C, self.dtype
+        rkv = torch.empty(3, T, C, device=self.device, dtype=dt)
+        for j in range(3):
+            torch.mm(mixed[:, j * C:(j + 1) * C], lw.w_in[j * C:(j + 1) * C].t(), out=rkv[j])
+        lora = torch.empty(4, T, C, device=self.device, dtype=dt)
+        for g, col in enumerate((3 * C, 4 * C, 2 * C, 5 * C)):  # inputs xw, xa, xv, xg
+            if g == 2 and first:
+                continue  # layer 0 makes v_first; its v LoRA is unused
+            hidden = torch.mm(mixed[:, col:col + C], lw.lora1[g].t())
+            if g == 0:
+                hidden.tanh_()
+            elif g == 3:
+                hidden.sigmoid_()
+            torch.mm(hidden, lw.lora2[g].t(), out=lora[g])
+        return rkv, lora
+
+    def _ffn(self, lw: _Layer, kin: Tensor) -> Tensor:
+        k = torch.mm(kin, lw.wfk.t())
+        torch.relu_(k).square_()
+        return torch.mm(k, lw.wfv.t())
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def _batch(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> _Batch:
+        lengths = [len(c) for c in chunks]
+        R, T = len(rows), sum(lengths)
+        starts = [0] * R
+        for r in range(1, R):
+            starts[r] = starts[r - 1] + lengths[r - 1]
+        lasts = [s + n - 1 for s, n in zip(starts, lengths, strict=True)]
+        tok_slot, tok_row = [-1] * T, [-1] * T
+        for r in range(R):
+            tok_slot[starts[r]] = rows[r]
+            tok_row[lasts[r]] = r
+        cu = [0] + [s + n for s, n in zip(starts, lengths, strict=True)]
+        fields = [
+            [t for c in chunks for t in c], tok_slot, tok_row, lasts, list(rows),
+            [v for r in range(R) for v in (rows[r], starts[r], lengths[r])], cu,
+        ]
+        chunk_idx = None
+        if self.prefill_wkv == "chunked":
+            chunk_idx = [v for r in range(R) for c in range(-(-lengths[r] // 64)) for v in (r, c)]
+            fields.append(chunk_idx)
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)  # one copy from pageable memory, no device sync
+        views, at = [], 0
+        for f in fields:
+            views.append(dev[at:at + len(f)])
+            at += len(f)
+        return _Batch(
+            tokens=views[0], tok_slot=views[1], tok_row=views[2], lasts=views[3], slots=views[4],
+            rows=views[5].view(R, 3), cu_seqlens=views[6], cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
+            chunk_indices=views[7].view(-1, 2) if chunk_idx is not None else None,
+        )
+
+    def _prefill_body(self, batch: _Batch) -> Tensor:
+        st, C, H, dt = self.states, self.C, self.H, self.dtype
+        T, R = batch.tokens.shape[0], batch.slots.shape[0]
+        x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
+        x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
+        v_first = torch.empty(T, C, device=self.device, dtype=dt)
+        new_shift = torch.empty(R, C, device=self.device, dtype=torch.float32)
+        kv_dtype = dt if self.prefill_wkv == "chunked" else torch.float32  # fla's kernels take bf16
+        dx = None
+        for i, lw in enumerate(self.layers):
+            mixed = K.ln_shift_mix(x, dx, x_next, *lw.ln1, st.att_shift[i], lw.mix_att, batch.tok_slot, dt,
+                                   batch.tok_row, new_shift)
+            st.att_shift[i].index_copy_(0, batch.slots, new_shift)
+            x, x_next = x_next, x
+            rkv, lora = self._projections(lw, mixed, T, first=i == 0)
+            w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
+                                                     lw.prm, H, i == 0, kv_dtype)
+            o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch)
+            y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, dt)
+            dx = torch.mm(y, lw.wo.t())
+            kin = K.ln_shift_mix(x, dx, x_next, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, batch.tok_slot, dt,
+                                 batch.tok_row, new_shift)
+            st.ffn_shift[i].index_copy_(0, batch.slots, new_shift)
+            x, x_next = x_next, x
+            dx = self._ffn(lw, kin)
+        hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, dt)
+        return self._mm_f32(hn, self.head.t())
+
+    def _wkv_sequence(self, i: int, r, w_log, k, v, a, b, batch: _Batch) -> Tensor:
+        """The recurrence over the batch's rows from (and into) their slots' layer-i state."""
+        state = self.states.wkv[i]  # [S + 1, H, N, N]
+        if self.prefill_wkv == "recurrent":
+            return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
+        T, H, N = r.shape[0], self.H, self.N
+        s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
+        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch)
+        state.index_copy_(0, batch.slots, s1.transpose(-1, -2))
+        return o.view(T, self.C)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _pack(self, model: RWKV7) -> None:
+        dt, C = self.dtype, self.C
+
+        def f32(t: Tensor) -> Tensor:
+            return t.detach().float().contiguous()
+
+        def low(t: Tensor) -> Tensor:
+            return t.detach().to(dt).contiguous()
+
+        b0 = model.blocks[0]
+        self.emb = low(model.emb.weight)
+        self.ln0 = (f32(b0.ln0.weight), f32(b0.ln0.bias))
+        self.ln_out = (f32(model.ln_out.weight), f32(model.ln_out.bias))
+        self.head = low(model.head.weight)
+        rmax = max(self.padded)
+        self.layers = []
+        for block in model.blocks:
+            att, ffn = block.att, block.ffn
+            names = ("w", "a", "v", "g")
+            first = [F.pad(getattr(att, f"{n}1").detach().t(), (0, 0, 0, p - r))
+                     for n, r, p in zip(names, self.ranks, self.padded, strict=True)]
+            w_in = low(torch.cat([att.receptance.weight, att.key.weight, att.value.weight, *first]))
+            second = [F.pad(getattr(att, f"{n}2").detach().t(), (0, rmax - r))
+                      for n, r in zip(names, self.ranks, strict=True)]
+            w2 = low(torch.cat(second))
+            self.layers.append(_Layer(
+                ln1=(f32(block.ln1.weight), f32(block.ln1.bias)),
+                ln2=(f32(block.ln2.weight), f32(block.ln2.bias)),
+                mix_att=f32(torch.stack([att.x_r, att.x_k, att.x_v, att.x_w, att.x_a, att.x_g])),
+                mix_ffn=f32(ffn.x_k.view(1, C)),
+                prm=f32(torch.stack([att.w0, att.a0, att.v0, att.k_k, att.k_a, att.r_k.reshape(C),
+                                     att.ln_x.weight, att.ln_x.bias])),
+                w_in=w_in, w2=w2, wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
+                lora1=tuple(w_in[c:c + r] for c, r in zip(self.hidden_cols, self.ranks, strict=True)),
+                lora2=tuple(w2[g * C:(g + 1) * C, :r] for g, r in enumerate(self.ranks)),
+            ))
+
+    def _tables(self) -> None:
+        C, (pw, pa, pv, pg) = self.C, self.padded
+        none, tanh, sig = K.ACT_NONE, K.ACT_TANH, K.ACT_SIGMOID
+        self.table_in = K.GemvTable(
+            [(C, 0, C, none), (C, C, C, none), (C, 2 * C, C, none),  # r, k, v from xr, xk, xv
+             (pw, 3 * C, C, tanh), (pa, 4 * C, C, none), (pv, 2 * C, C, none), (pg, 5 * C, C, sig)],
+            block_n=32, device=self.device)
+        self.table_lora2 = K.GemvTable(
+            [(C, col, r, none) for col, r in zip(self.hidden_cols, self.ranks, strict=True)],
+            block_n=32, device=self.device)
+
+    def _pick_f32_matmul(self):
+        """bf16 × bf16 -> fp32 logits in one cuBLAS call where torch offers it."""
+        a = torch.ones(2, 32, device=self.device, dtype=self.dtype)
+        try:
+            torch.mm(a, a.t(), out_dtype=torch.float32)
+            return lambda x, w: torch.mm(x, w, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            return lambda x, w: torch.mm(x, w).float()
+
+    def _pick_prefill_wkv(self, choice: str) -> str:
+        if choice not in ("auto", "chunked", "recurrent"):
+            raise ValueError(f"prefill_wkv must be auto, chunked or recurrent, not {choice!r}")
+        if choice == "recurrent" or self.device.type != "cuda":
+            return "recurrent"
+        try:
+            _fla_import()
+            return "chunked"
+        except ImportError:
+            if choice == "chunked":
+                raise
+            log.warning("fla-core is not installed: prefill runs the recurrent kernel (slower on long rows)")
+            return "recurrent"
+
+    def _check_rows(self, rows: Sequence[int], n_chunks: int) -> None:
+        if len(rows) != n_chunks or len(set(rows)) != len(rows) or not rows:
+            raise ValueError(f"rows must be distinct, non-empty and match the inputs: {list(rows)}")
+        if any(not 0 <= r < self.max_slots for r in rows):
+            raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")
+
+
+# -- fla-core's chunked RWKV-7 recurrence ---------------------------------------------------------
+
+FLA_CHUNK = 64  # chunk length; w_log >= -DECAY_SCALE keeps fla's tensor-core scheme exact at 64
+
+
+def _fla_import():
+    from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd  # noqa: PLC0415
+
+    return chunk_dplr_fwd
+
+
+def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch) -> tuple[Tensor, Tensor]:
+    """fla-core 0.6's forward, called below its autograd wrapper so that the chunk index comes
+    from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy)."""
+    chunk_dplr_fwd = _fla_import()
+    o, s1, _, _ = chunk_dplr_fwd(
+        q=r, k=k, v=v, a=a, b=b, gk=w_log, scale=1.0, initial_state=s0, output_final_state=True,
+        cu_seqlens=batch.cu_seqlens, chunk_size=FLA_CHUNK, safe_gate=True, chunk_indices=batch.chunk_indices,
+    )
+    return o, s1

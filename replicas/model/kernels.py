@@ -1,0 +1,490 @@
+"""Triton kernels of the CUDA runner (cuda_runner.py), each beside the torch lines it replaces.
+
+Owns fused arithmetic only: no weights, no slots, no decisions about which path runs. Every kernel
+is checked against `rwkv7.py` (the fp32 definition) in tests/gpu, on the H200 and, slowly, on the
+CPU under TRITON_INTERPRET=1.
+
+Layouts (T = tokens or decode rows, C = n_embd, H heads of N, slot = a row of the state tensors):
+    x          [T, C]      fp32  the residual stream
+    mixed      [T, G·C]    bf16  token-shift mixes, group-major: time mix G = 6 (r, k, v, w, a, g),
+                                 channel mix G = 1
+    shift      [S, C]      fp32  one layer's token-shift state (att or ffn)
+    wkv        [S, H, N, N] fp32 one layer's wkv state: rows = value index, columns = key index
+    proj       [T, 3C + Rp] bf16 decode: r | k | v | the four LoRA hiddens (activated), padded
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DECAY_SCALE = 0.606531  # as in rwkv7.py: w = exp(-DECAY_SCALE · sigmoid(·))
+LN_EPS = 1e-5
+GN_EPS = 64e-5
+
+ACT_NONE, ACT_TANH, ACT_SIGMOID, ACT_RELU2 = 0, 1, 2, 3
+EPI_STORE, EPI_ATOMIC_ADD = 0, 1  # gemv epilogues: store (in Y's dtype), or add into fp32 Y
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(int(n))
+
+
+def _warps(C: int) -> int:
+    """Warps for a program that holds a whole [C] row (or a few [H, N] tiles) in registers."""
+    return max(4, min(16, _pow2(C) // 256))
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm and token shift
+#   torch: h = ln(x + dx); prev = previous token's h (or the slot's shift); out_g = h + (prev - h)·mix_g
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layernorm(x, w_ptr, b_ptr, cols, mask, C, eps):
+    mean = tl.sum(x, 0) / C
+    d = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(d * d, 0) / C
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+    return d * tl.rsqrt(var + eps) * w + b
+
+
+@triton.jit
+def _embed_ln_kernel(tok_ptr, emb_ptr, w_ptr, b_ptr, x_ptr, C, eps, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    tok = tl.load(tok_ptr + t).to(tl.int64)
+    e = tl.load(emb_ptr + tok * C + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + t * C + cols, _layernorm(e, w_ptr, b_ptr, cols, mask, C, eps), mask=mask)
+
+
+def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x [T, C] fp32 = LayerNorm(emb[tokens]) (block 0's ln0)."""
+    T, C = tokens.shape[0], emb.shape[1]
+    x = torch.empty(T, C, device=emb.device, dtype=torch.float32)
+    _embed_ln_kernel[(T,)](tokens, emb, w, b, x, C, LN_EPS, BLOCK_C=_pow2(C), num_warps=4)
+    return x
+
+
+@triton.jit
+def _ln_shift_mix_kernel(
+    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, eps,
+    HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    xt = tl.load(x_in + t * C + cols, mask=mask, other=0.0)
+    if HAS_DX:
+        xt += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_X:
+        tl.store(x_out + t * C + cols, xt, mask=mask)
+    h = _layernorm(xt, ln_w, ln_b, cols, mask, C, eps)
+    slot = tl.load(tok_slot + t).to(tl.int64)
+    if PREFILL:
+        # a row's first token takes its slot's shift; any other token its predecessor's h, which
+        # this program recomputes (x_in is never written here, so there is no race)
+        if slot >= 0:
+            prev = tl.load(shift + slot * C + cols, mask=mask, other=0.0)
+        else:
+            xp = tl.load(x_in + (t - 1) * C + cols, mask=mask, other=0.0)
+            if HAS_DX:
+                xp += tl.load(dx + (t - 1) * C + cols, mask=mask, other=0.0).to(tl.float32)
+            prev = _layernorm(xp, ln_w, ln_b, cols, mask, C, eps)
+        row = tl.load(tok_row + t).to(tl.int64)  # >= 0 on a row's last token
+        if row >= 0:
+            tl.store(new_shift + row * C + cols, h, mask=mask)
+    else:  # decode: one token per row, so this program alone reads and writes the slot's shift
+        prev = tl.load(shift + slot * C + cols, mask=mask, other=0.0)
+        tl.store(shift + slot * C + cols, h, mask=mask)
+    xx = prev - h
+    for g in tl.static_range(NMIX):
+        m = tl.load(mix + g * C + cols, mask=mask, other=0.0)
+        tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=mask)
+
+
+def ln_shift_mix(
+    x_in: torch.Tensor, dx: torch.Tensor | None, x_out: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
+    shift: torch.Tensor, mix: torch.Tensor, tok_slot: torch.Tensor, out_dtype: torch.dtype,
+    tok_row: torch.Tensor | None = None, new_shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x_out = x_in + dx; h = LayerNorm(x_out); returns the token-shift mixes [T, G·C].
+
+    Decode (tok_row None): every token is its own row in slot tok_slot[t]; the slot's shift is
+    read and replaced by h in place. Prefill: tok_slot[t] is the slot on a row's first token and
+    -1 elsewhere; tok_row[t] is the row on a row's last token and -1 elsewhere; the rows' new
+    shifts go to new_shift [rows, C] (the caller writes them to the slots afterwards); x_out must
+    not alias x_in.
+    """
+    T, C = x_in.shape
+    G = mix.shape[0]
+    prefill = tok_row is not None
+    out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
+    _ln_shift_mix_kernel[(T,)](
+        x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
+        tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, LN_EPS,
+        HAS_DX=dx is not None, STORE_X=dx is not None or x_out.data_ptr() != x_in.data_ptr(), PREFILL=prefill, NMIX=G, BLOCK_C=_pow2(C), num_warps=4 if C <= 2048 else 8,
+    )
+    return out
+
+
+@triton.jit
+def _add_ln_kernel(x, dx, sel, ln_w, ln_b, out, C, eps, HAS_DX: tl.constexpr, HAS_SEL: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    t = tl.load(sel + i).to(tl.int64) if HAS_SEL else i
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    xt = tl.load(x + t * C + cols, mask=mask, other=0.0)
+    if HAS_DX:
+        xt += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
+    h = _layernorm(xt, ln_w, ln_b, cols, mask, C, eps)
+    tl.store(out + i * C + cols, h.to(out.dtype.element_ty), mask=mask)
+
+
+def add_ln(x: torch.Tensor, dx: torch.Tensor | None, ln_w: torch.Tensor, ln_b: torch.Tensor,
+           sel: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm(x + dx) of the selected tokens (all when sel is None): [len(sel), C]."""
+    C = x.shape[1]
+    n = x.shape[0] if sel is None else sel.shape[0]
+    out = torch.empty(n, C, device=x.device, dtype=out_dtype)
+    _add_ln_kernel[(n,)](x, dx if dx is not None else x, sel if sel is not None else x, ln_w, ln_b, out, C,
+                         LN_EPS, HAS_DX=dx is not None, HAS_SEL=sel is not None, BLOCK_C=_pow2(C),
+                         num_warps=4 if C <= 2048 else 8)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Small-batch matrix products (decode at up to a few dozen rows): Y = epi(act(A) · Wᵀ)
+#   W is an nn.Linear weight [N, K]; the product is bound by reading W once, so each program
+#   streams a [BLOCK_N, K-range] slab of it. "Grouped": each BLOCK_N block of output columns has
+#   its own input columns, K and activation (r/k/v and the four LoRA first stages in one launch).
+#   EPI_ATOMIC_ADD splits K over programs and adds into an fp32 Y (the residual stream).
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _activate(y, act):
+    y = tl.where(act == 1, 2.0 * tl.sigmoid(2.0 * y) - 1.0, y)  # tanh
+    y = tl.where(act == 2, tl.sigmoid(y), y)
+    r = tl.maximum(y, 0.0)
+    return tl.where(act == 3, r * r, y)
+
+
+@triton.jit
+def _gemv_kernel(
+    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT,
+    GROUPED: tl.constexpr, PRO_RELU2: tl.constexpr, EPI: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if GROUPED:
+        a_col = tl.load(table + pid_n)
+        k_len = tl.load(table + n_blocks + pid_n)
+        act = tl.load(table + 2 * n_blocks + pid_n)
+    else:
+        a_col = 0
+        k_len = K
+        act = ACT
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(k_len, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, k_len)
+    a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col
+    w_rows = W + offs_n[:, None].to(tl.int64) * ldw
+    m_mask = offs_m[:, None] < M
+    n_mask = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks[None, :] < k_hi
+        a = tl.load(a_rows + ks[None, :], mask=m_mask & k_mask, other=0.0)
+        if PRO_RELU2:
+            a = tl.maximum(a.to(tl.float32), 0.0)
+            a = (a * a).to(W.dtype.element_ty)
+        w = tl.load(w_rows + ks[None, :], mask=n_mask & k_mask, other=0.0)
+        acc += tl.dot(a, tl.trans(w))
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
+    y_mask = m_mask & (offs_n[None, :] < N)
+    if EPI == 1:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask)
+    else:
+        tl.store(y_ptrs, _activate(acc, act).to(Y.dtype.element_ty), mask=y_mask)
+
+
+class GemvTable:
+    """Per output block (BLOCK_N columns): input column, K and activation, for a grouped gemv.
+
+    groups: (output columns, input column, K, activation) in output order; every group's output
+    width must be a multiple of block_n.
+    """
+
+    def __init__(self, groups: list[tuple[int, int, int, int]], block_n: int, device: torch.device):
+        rows = []
+        for width, a_col, k, act in groups:
+            if width % block_n:
+                raise ValueError(f"group width {width} is not a multiple of {block_n}")
+            rows += [(a_col, k, act)] * (width // block_n)
+        self.block_n = block_n
+        self.n_blocks = len(rows)
+        self.max_k = max(k for _, k, _ in rows)
+        self.tensor = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.int32).reshape(-1).to(device)
+
+
+def gemv(
+    a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, *, table: GemvTable | None = None,
+    act: int = ACT_NONE, pro_relu2: bool = False, epi: int = EPI_STORE, n_sm: int = 132,
+) -> torch.Tensor:
+    """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K]."""
+    N, K = w.shape
+    if table is not None:
+        block_n, n_blocks, k_max = table.block_n, table.n_blocks, table.max_k
+        if n_blocks * block_n != N:
+            raise ValueError("grouped gemv: the table does not cover the weight's rows")
+    else:
+        block_n = 64 if N >= 8192 else 32
+        n_blocks, k_max = triton.cdiv(N, block_n), K
+    block_k = 128
+    split = 1
+    if epi == EPI_ATOMIC_ADD:  # enough programs to keep every multiprocessor streaming
+        split = max(1, min(triton.cdiv(2 * n_sm, n_blocks), k_max // block_k))
+    block_m = max(16, _pow2(m))
+    if block_m > 64:
+        raise ValueError("gemv is for at most 64 rows")
+    _gemv_kernel[(n_blocks, split)](
+        a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K,
+        table.tensor if table is not None else y, n_blocks, act,
+        GROUPED=table is not None, PRO_RELU2=pro_relu2, EPI=epi, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+    )
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# The time-mix core for one decode token per row, fused: one program per (row, head).
+#   torch (rwkv7.TimeMix.forward, after the projections):
+#     w = exp(-0.606531·σ(w0 + wl)); a = σ(a0 + al); kk = normalize(k·k_k); k = k·(1 + (a-1)·k_a)
+#     v = v + (v_first - v)·σ(v0 + vl)              (layer 0: v_first = v)
+#     S = S·diag(w) + (S·(-kk))(kk·a)ᵀ + v kᵀ;  o = S·r        (the slot's state, in place)
+#     y = (GroupNorm_head(o) + Σ(r·k·r_k)·v) · g
+#   FUSED_LORA: wl, al, vl, g are computed here from the LoRA hiddens (tiny second stages), which
+#   saves a launch when the batch is small.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lora_out(hid_ptr, w_rows, R, N: tl.constexpr, BLOCK_R: tl.constexpr):
+    acc = tl.zeros((N,), dtype=tl.float32)
+    for j0 in tl.range(0, R, BLOCK_R):
+        j = j0 + tl.arange(0, BLOCK_R)
+        jm = j < R
+        hv = tl.load(hid_ptr + j, mask=jm, other=0.0).to(tl.float32)
+        wv = tl.load(w_rows[:, None] + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * hv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _wkv_decode_kernel(
+    P, ldp, gsp, Lo, ldl, gsl, W2, ldw2, hw, ha, hv, hg, Rw, Ra, Rv, Rg, VF, prm, S, idx, Y, H, C, gn_eps,
+    N: tl.constexpr, BLOCK_R: tl.constexpr, FIRST: tl.constexpr, FUSED_LORA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    i = tl.arange(0, N)
+    c = h * N + i
+    row = P + b * ldp
+    r = tl.load(row + c).to(tl.float32)
+    k = tl.load(row + gsp + c).to(tl.float32)
+    v = tl.load(row + 2 * gsp + c).to(tl.float32)
+    if FUSED_LORA:
+        wl = _lora_out(row + hw, W2 + c.to(tl.int64) * ldw2, Rw, N, BLOCK_R)
+        al = _lora_out(row + ha, W2 + (C + c).to(tl.int64) * ldw2, Ra, N, BLOCK_R)
+        vl = _lora_out(row + hv, W2 + (2 * C + c).to(tl.int64) * ldw2, Rv, N, BLOCK_R)
+        g = _lora_out(row + hg, W2 + (3 * C + c).to(tl.int64) * ldw2, Rg, N, BLOCK_R)
+    else:
+        lrow = Lo + b * ldl
+        wl = tl.load(lrow + c).to(tl.float32)
+        al = tl.load(lrow + gsl + c).to(tl.float32)
+        vl = tl.load(lrow + 2 * gsl + c).to(tl.float32)
+        g = tl.load(lrow + 3 * gsl + c).to(tl.float32)
+    decay = tl.exp(-0.606531 * tl.sigmoid(tl.load(prm + c) + wl))
+    a = tl.sigmoid(tl.load(prm + C + c) + al)
+    kk = k * tl.load(prm + 3 * C + c)
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, 0)), 1e-12)
+    k = k * (1.0 + (a - 1.0) * tl.load(prm + 4 * C + c))
+    if FIRST:
+        tl.store(VF + b * C + c, v.to(VF.dtype.element_ty))
+    else:
+        vf = tl.load(VF + b * C + c).to(tl.float32)
+        v = v + (vf - v) * tl.sigmoid(tl.load(prm + 2 * C + c) + vl)
+    slot = tl.load(idx + b).to(tl.int64)
+    s_ptrs = S + (slot * H + h) * (N * N) + i[:, None] * N + i[None, :]
+    st = tl.load(s_ptrs)
+    sa = tl.sum(st * (-kk)[None, :], axis=1)
+    st = st * decay[None, :] + sa[:, None] * (kk * a)[None, :] + v[:, None] * k[None, :]
+    tl.store(s_ptrs, st)
+    o = tl.sum(st * r[None, :], axis=1)
+    mean = tl.sum(o, 0) / N
+    d = o - mean
+    var = tl.sum(d * d, 0) / N
+    o = d * tl.rsqrt(var + gn_eps) * tl.load(prm + 6 * C + c) + tl.load(prm + 7 * C + c)
+    o += tl.sum(r * k * tl.load(prm + 5 * C + c), 0) * v
+    tl.store(Y + b * C + c, (o * g).to(Y.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: the same math split around a sequence kernel (chunked, or recurrent below).
+#   prepare: per token, all heads: w_log, k', v', a = -kk, b = kk·a, and the bonus Σ(r·k'·r_k)
+#   finish:  y = (GroupNorm_head(o) + bonus·v') · g
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wkv_prepare_kernel(
+    Rr, Kk, Vv, Wl, Al, Vl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
+    N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, N)[None, :]
+    c = hh * N + i
+    mask = hh < H
+    off = t * C + c
+    r = tl.load(Rr + off, mask=mask, other=0.0).to(tl.float32)
+    k = tl.load(Kk + off, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(Vv + off, mask=mask, other=0.0).to(tl.float32)
+    wl = tl.load(Wl + off, mask=mask, other=0.0).to(tl.float32)
+    al = tl.load(Al + off, mask=mask, other=0.0).to(tl.float32)
+    w_log = -0.606531 * tl.sigmoid(tl.load(prm + c, mask=mask, other=0.0) + wl)
+    a = tl.sigmoid(tl.load(prm + C + c, mask=mask, other=0.0) + al)
+    kk = k * tl.load(prm + 3 * C + c, mask=mask, other=0.0)
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, 1))[:, None], 1e-12)
+    k = k * (1.0 + (a - 1.0) * tl.load(prm + 4 * C + c, mask=mask, other=0.0))
+    if FIRST:
+        tl.store(VF + off, v.to(VF.dtype.element_ty), mask=mask)
+    else:
+        vl = tl.load(Vl + off, mask=mask, other=0.0).to(tl.float32)
+        vf = tl.load(VF + off, mask=mask, other=0.0).to(tl.float32)
+        v = v + (vf - v) * tl.sigmoid(tl.load(prm + 2 * C + c, mask=mask, other=0.0) + vl)
+    tl.store(w_out + off, w_log.to(w_out.dtype.element_ty), mask=mask)
+    tl.store(k_out + off, k.to(k_out.dtype.element_ty), mask=mask)
+    tl.store(v_out + off, v.to(v_out.dtype.element_ty), mask=mask)
+    tl.store(a_out + off, (-kk).to(a_out.dtype.element_ty), mask=mask)
+    tl.store(b_out + off, (kk * a).to(b_out.dtype.element_ty), mask=mask)
+    bo = tl.sum(r * k * tl.load(prm + 5 * C + c, mask=mask, other=0.0), 1)
+    tl.store(bonus + t * H + tl.arange(0, BLOCK_H), bo, mask=tl.arange(0, BLOCK_H) < H)
+
+
+@triton.jit
+def _wkv_finish_kernel(O, V2, G, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, N)[None, :]
+    c = hh * N + i
+    mask = hh < H
+    off = t * C + c
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(o, 1) / N
+    d = o - mean[:, None]
+    var = tl.sum(d * d, 1) / N
+    o = d * tl.rsqrt(var + gn_eps)[:, None] * tl.load(prm + 6 * C + c, mask=mask, other=0.0)
+    o += tl.load(prm + 7 * C + c, mask=mask, other=0.0)
+    bo = tl.load(bonus + t * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H, other=0.0)
+    o += bo[:, None] * tl.load(V2 + off, mask=mask, other=0.0).to(tl.float32)
+    o *= tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + off, o.to(Y.dtype.element_ty), mask=mask)
+
+
+def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype: torch.dtype):
+    """-> (w_log fp32, k', v', a, b in kv_dtype, bonus [T, H] fp32), all [T, C] but bonus."""
+    T, C = r.shape
+    N = C // H
+    outs = [torch.empty(T, C, device=r.device, dtype=dt) for dt in (torch.float32,) + (kv_dtype,) * 4]
+    bonus = torch.empty(T, H, device=r.device, dtype=torch.float32)
+    _wkv_prepare_kernel[(T,)](r, k, v, wl, al, vl, v_first, prm, *outs, bonus, H, C,
+                              N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C))
+    return (*outs, bonus)
+
+
+def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Tensor:
+    T, C = v2.shape
+    y = torch.empty(T, C, device=v2.device, dtype=out_dtype)
+    _wkv_finish_kernel[(T,)](o, v2, g, bonus, prm, y, H, C, GN_EPS, N=C // H, BLOCK_H=_pow2(H),
+                             num_warps=_warps(C))
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# The recurrence over ragged rows, token by token (rwkv7.wkv_reference), in place at the slots.
+#   A state's rows (value index) evolve independently, so programs split them: (row, head, block).
+#   The portable prefill path and the check on the chunked one; slow for one long row.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _wkv_recurrent_kernel(Rr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    slot = tl.load(rows + 3 * row).to(tl.int64)
+    start = tl.load(rows + 3 * row + 1).to(tl.int64)
+    length = tl.load(rows + 3 * row + 2)
+    iv = vb * BV + tl.arange(0, BV)
+    j = tl.arange(0, N)
+    s_ptrs = S + (slot * H + h) * (N * N) + iv[:, None] * N + j[None, :]
+    st = tl.load(s_ptrs)
+    for n in tl.range(0, length):
+        off = (start + n) * C + h * N
+        r = tl.load(Rr + off + j).to(tl.float32)
+        w = tl.exp(tl.load(Wl + off + j).to(tl.float32))
+        k = tl.load(Kk + off + j).to(tl.float32)
+        a = tl.load(Aa + off + j).to(tl.float32)
+        b = tl.load(Bb + off + j).to(tl.float32)
+        v = tl.load(Vv + off + iv).to(tl.float32)
+        sa = tl.sum(st * a[None, :], axis=1)
+        st = st * w[None, :] + sa[:, None] * b[None, :] + v[:, None] * k[None, :]
+        tl.store(O + off + iv, tl.sum(st * r[None, :], axis=1).to(O.dtype.element_ty))
+    tl.store(s_ptrs, st)
+
+
+def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Advances state [S, H, N, N] at the rows' slots; rows [n_rows, 3] int (slot, start, length)."""
+    T, C = r.shape
+    H, N = state.shape[1], state.shape[2]
+    o = torch.empty(T, C, device=r.device, dtype=torch.float32)
+    bv = min(N, 16)
+    _wkv_recurrent_kernel[(n_rows, H, N // bv)](r, w_log, k, v, a, b, o, state, rows, H, C, N=N, BV=bv,
+                                                num_warps=2)
+    return o
+
+
+def wkv_decode(
+    p: torch.Tensor, p_strides: tuple[int, int], lora: torch.Tensor | None, lora_strides: tuple[int, int],
+    w2: torch.Tensor, hidden_cols: tuple[int, ...], ranks: tuple[int, ...], v_first: torch.Tensor,
+    prm: torch.Tensor, state: torch.Tensor, idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One token per row: y [B, C]; the rows' slots of state [S, H, N, N] advance in place.
+
+    p holds row b's r, k, v at p[b·ld + j·gs + c] for (ld, gs) = p_strides (j = 0, 1, 2); lora
+    holds wl, al, vl, g likewise, or is None: then p also holds the activated LoRA hiddens at
+    hidden_cols and the second stages (w2 [4C, ≥R]) run here.
+    """
+    B = idx.shape[0]
+    C = v_first.shape[1]
+    lo = lora if lora is not None else p
+    y = torch.empty(B, C, device=p.device, dtype=out_dtype)
+    _wkv_decode_kernel[(B * H,)](
+        p, *p_strides, lo, *lora_strides, w2, w2.stride(0), *hidden_cols, *ranks, v_first, prm, state, idx,
+        y, H, C, GN_EPS, N=C // H, BLOCK_R=32, FIRST=first, FUSED_LORA=lora is None, num_warps=4,
+    )
+    return y

@@ -1,0 +1,29 @@
+"""GPU tests also run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), slowly.
+
+The interpreter hands kernels their runtime scalars as one-element arrays, which Python's range
+refuses; this shim lets `tl.range` take them. Nothing changes when the interpreter is off.
+"""
+
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        pass
+    else:
+        _patch_lang_core = interpreter._patch_lang_core
+
+        def _scalar(value):
+            return int(value.handle.data.reshape(-1)[0]) if isinstance(value, tl.tensor) else value
+
+        def _range(start, stop=None, step=None, **_):
+            start, stop = (0, start) if stop is None else (start, stop)
+            return range(_scalar(start), _scalar(stop), _scalar(step) or 1)
+
+        def _patched(lang, scope):
+            _patch_lang_core(lang, scope)
+            scope.set_attr(lang, "range", _range)
+
+        interpreter._patch_lang_core = _patched

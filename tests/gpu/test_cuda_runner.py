@@ -1,0 +1,165 @@
+"""The CUDA runner against the fp32 definition (rwkv7.py through ModelRunner) on the same weights.
+
+Every path — prefill (chunked and recurrent), decode graphs of each kind (fused LoRA, gemv,
+cuBLAS), mixed steps — must give logits and states within bf16 tolerance of the reference:
+‖ours − ref‖ / ‖ref‖ ≤ 1e-2. The reference runs in fp32 on weights rounded to bf16 (the weights
+the GPU runs), so the check measures the kernels, not the rounding of the checkpoint.
+
+Runs on a CUDA GPU (marked `gpu`, skipped elsewhere). With TRITON_INTERPRET=1 the kernels also run
+on the CPU under Triton's interpreter (slowly; no graphs, no fla): a check before spending GPU time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from replicas.model.config import ModelConfig
+from replicas.model.runner import ModelRunner
+from replicas.model.rwkv7 import RWKV7, init_random
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
+]
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16  # the interpreter's bf16 tl.dot is wrong (Triton 3.6)
+TOLERANCE = 1e-2  # logits
+STATE_TOLERANCE = 3e-2  # states: sums of many bf16-rounded terms, some cancelling
+
+SHAPES = {
+    "L3-C128-N32": ModelConfig(3, 128, 32, 1000, 384, 8, 12, 8, 16),
+    "L2-C256-N64": ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(ours).all()
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+def bf16_rounded(model: RWKV7) -> RWKV7:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES) if CUDA else ["L3-C128-N32"])
+def pair(request):
+    """(CUDA runner, fp32 reference runner), 8 slots each, on one random model."""
+    pytest.importorskip("triton")
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+
+    model = bf16_rounded(init_random(RWKV7(SHAPES[request.param]), seed=3)).to(DEVICE).eval()
+    return CudaRunner(model, max_slots=8, dtype=DTYPE, prefill_wkv="recurrent"), ModelRunner(model, max_slots=8)
+
+
+def tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def start_from_random_states(runner, ref, slots, seed: int) -> None:
+    """Writes the same non-trivial states (the reference's after a short prompt) into both."""
+    for j, slot in enumerate(slots):
+        ref.reset(slot)
+        ref.prefill([slot], [tokens(5 + j, ref.vocab_size, seed + j)])
+        runner.write_state(slot, ref.read_state(slot))
+
+
+def assert_states_close(runner, ref, slots) -> None:
+    for slot in slots:
+        ours, theirs = runner.read_state(slot), ref.read_state(slot)
+        for name, a, b in zip(("att_shift", "ffn_shift", "wkv"), ours.tensors(), theirs.tensors(), strict=True):
+            assert rel_err(a, b) <= STATE_TOLERANCE, f"slot {slot} {name}"
+
+
+@pytest.mark.parametrize("wkv", ["recurrent", "chunked"])
+def test_prefill_ragged_rows(pair, wkv):
+    runner, ref = pair
+    if wkv == "chunked":
+        if not CUDA:
+            pytest.skip("fla-core runs on the GPU only")
+        pytest.importorskip("fla")
+    runner.prefill_wkv = wkv
+    slots = [5, 0, 3, 6]
+    start_from_random_states(runner, ref, slots, seed=10)
+    chunks = [tokens(n, ref.vocab_size, 20 + n) for n in (1, 7, 70, 130)]
+    ours = runner.prefill(slots, chunks)
+    theirs = ref.prefill(slots, chunks)
+    assert ours.shape == theirs.shape and ours.dtype == torch.float32
+    assert rel_err(ours, theirs) <= TOLERANCE
+    assert_states_close(runner, ref, slots)
+    runner.prefill_wkv = "recurrent"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 6, 8])
+def test_decode_steps(pair, batch):
+    """batch 1 and 3: LoRA fused into the core; 6: gemv LoRA; 8 with small_batch 4: cuBLAS."""
+    runner, ref = pair
+    runner.small_batch = 4 if batch == 8 else 16
+    slots = list(range(8))[::-1][:batch]
+    start_from_random_states(runner, ref, slots, seed=30 + batch)
+    for step in range(3):
+        toks = tokens(batch, ref.vocab_size, 40 + step)
+        ours, theirs = runner.decode(slots, toks), ref.decode(slots, toks)
+        assert ours.shape == (batch, ref.vocab_size)
+        assert rel_err(ours, theirs) <= TOLERANCE, f"step {step}"
+    assert_states_close(runner, ref, slots)
+    runner.small_batch = 16
+
+
+def test_mixed_step_and_untouched_slots(pair):
+    """Prefill rows and decode rows of one engine step; other slots keep their bits."""
+    runner, ref = pair
+    prefilling, decoding, idle = [1, 4], [2, 7, 0], [3, 5, 6]
+    start_from_random_states(runner, ref, prefilling + decoding + idle, seed=50)
+    before = {s: runner.read_state(s) for s in idle}
+    chunks = [tokens(n, ref.vocab_size, 60 + n) for n in (9, 33)]
+    toks = tokens(3, ref.vocab_size, 61)
+    ours_p, ours_d = runner.prefill(prefilling, chunks), runner.decode(decoding, toks)
+    theirs_p, theirs_d = ref.prefill(prefilling, chunks), ref.decode(decoding, toks)
+    assert rel_err(ours_p, theirs_p) <= TOLERANCE
+    assert rel_err(ours_d, theirs_d) <= TOLERANCE
+    assert_states_close(runner, ref, prefilling + decoding)
+    for s in idle:  # the decode ran in bucket 4: its padding row wrote the scratch slot only
+        for a, b in zip(runner.read_state(s).tensors(), before[s].tensors(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_decode_logits_survive_the_next_step(pair):
+    runner, _ = pair
+    first = runner.decode([0, 1], [1, 2])
+    kept = first.clone()
+    runner.decode([0, 1], [3, 4])
+    assert torch.equal(first, kept)
+
+
+@pytest.mark.skipif(not CUDA, reason="host synchronisation is a CUDA notion")
+def test_steps_do_not_synchronise(pair):
+    runner, _ = pair
+    runner.prefill_wkv = "chunked" if _has_fla() else "recurrent"
+    runner.capture([2])
+    runner.decode([0, 1], [1, 2])
+    runner.prefill([2, 3], [[5, 6, 7], [8]])  # warm: kernels compiled, caches filled
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.prefill([2, 3], [[5, 6, 7], [8]])
+        runner.decode([0, 1], [1, 2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        runner.prefill_wkv = "recurrent"
+
+
+def _has_fla() -> bool:
+    try:
+        import fla  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
