@@ -101,7 +101,16 @@ class Chunk:
 
 
 class Replica:
-    """The body of the replica deployment (serve_app/app.py wraps it with `serve.deployment`)."""
+    """The body of the replica deployment (serve_app/app.py wraps it with `serve.deployment`).
+
+    Serve awaits the async constructor; elsewhere (tests, tools) use `await Replica.create(...)`.
+    """
+
+    @classmethod
+    async def create(cls, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None) -> Replica:
+        replica = cls.__new__(cls)
+        await replica.__init__(config, connect_registry)
+        return replica
 
     async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
         self.config = config
@@ -138,6 +147,10 @@ class Replica:
         await asyncio.to_thread(self.engine.call, lambda: None, HEALTH_TIMEOUT_S)
 
     def __del__(self) -> None:
+        """Serve calls it when the replica stops (after draining); so does Python's collector."""
+        self.close()
+
+    def close(self) -> None:
         for task in getattr(self, "_tasks", ()):
             task.cancel()
         if getattr(self, "registry", None) is not None:
@@ -154,7 +167,10 @@ class Replica:
         except UnknownInitState:
             if self.registry is None:
                 raise
-            await self.sync_init_states()  # it may have been loaded a moment ago
+            try:
+                await self.sync_init_states()  # it may have been loaded a moment ago
+            except Exception:
+                log.warning("replica %s: syncing init states failed", self.replica_id, exc_info=True)
             return self.engine.submit(request)
 
     def _chunk(self, events: list[Event]) -> Chunk:

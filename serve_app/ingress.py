@@ -292,7 +292,10 @@ class Ingress:
 
     @api.get("/health", summary="Liveness: 200 when a model replica is up")
     async def health(self) -> Response:
-        live = await self.registry.replicas.remote()
+        try:
+            live = await self.registry.replicas.remote()
+        except Exception:
+            raise ApiError(503, "the registry is not reachable", code="unavailable", retry_after=2.0) from None
         if not live:
             raise ApiError(503, "no model replica is up yet", code="unavailable", retry_after=2.0)
         return JSONResponse({"status": "ok", "model": self.model_name, "replicas": len(live)})

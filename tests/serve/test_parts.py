@@ -72,8 +72,7 @@ def model_dir(tmp_path_factory):
 
 def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir):
     async def run():
-        replica = Replica.__new__(Replica)
-        await replica.__init__(ReplicaConfig(model_dir=model_dir, engine={"max_slots": 2}))
+        replica = await Replica.create(ReplicaConfig(model_dir=model_dir, engine={"max_slots": 2}))
         try:
             chunks = [c async for c in replica.generate(Request([1, 2, 3], SamplingParams(max_tokens=20)))]
             assert chunks[0] == Chunk() and chunks[-1].finish_reason == "length"
@@ -95,7 +94,7 @@ def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir)
             await replica.check_health()
             replica.engine.check_integrity()
         finally:
-            replica.__del__()
+            replica.close()
 
     asyncio.run(run())
 
