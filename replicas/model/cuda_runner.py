@@ -24,6 +24,8 @@ The math is rwkv7.py's; tests/gpu check every path against it in fp32.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,7 +119,7 @@ class CudaRunner:
         self._tables()
         self._mm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool = None
         self.buckets = _buckets(max_slots)
 
@@ -144,7 +146,7 @@ class CudaRunner:
             io = torch.tensor([list(tokens), list(rows)], dtype=torch.int32).to(self.device)
             return self._decode_body(io[0], io[1], B)
         bucket = next(b for b in self.buckets if b >= B)
-        graph, io, logits = self._graphs.get(bucket) or self._capture(bucket)
+        graph, io, logits = self._graphs.get(self._graph_key(bucket)) or self._capture(bucket)
         host = torch.empty(2, bucket, dtype=torch.int32)
         host[0].zero_()
         host[1].fill_(self.scratch)
@@ -171,10 +173,14 @@ class CudaRunner:
         if self.graphs:
             for size in batch_sizes or self.buckets:
                 bucket = next(b for b in self.buckets if b >= size)
-                if bucket not in self._graphs:
+                if self._graph_key(bucket) not in self._graphs:
                     self._capture(bucket)
 
     # -- decode --------------------------------------------------------------------------------
+
+    def _graph_key(self, bucket: int) -> tuple[int, bool, bool]:
+        """A graph records one path; the key changes if small_batch or fuse_lora are changed."""
+        return bucket, bucket <= self.small_batch, bucket <= self.fuse_lora
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         io = torch.zeros(2, bucket, dtype=torch.int32, device=self.device)
@@ -190,10 +196,10 @@ class CudaRunner:
         graph = torch.cuda.CUDAGraph()
         # Every graph shares one pool: only temporaries live there besides each graph's logits,
         # which stay referenced, and graphs never run concurrently.
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._decode_body(io[0], io[1], bucket)
-        self._graphs[bucket] = (graph, io, logits)
-        return self._graphs[bucket]
+        self._graphs[self._graph_key(bucket)] = (graph, io, logits)
+        return graph, io, logits
 
     def _decode_body(self, tokens: Tensor, idx: Tensor, B: int) -> Tensor:
         """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V]."""
@@ -417,10 +423,39 @@ class CudaRunner:
 FLA_CHUNK = 64  # chunk length; w_log >= -DECAY_SCALE keeps fla's tensor-core scheme exact at 64
 
 
+_FLA_PINNED = False
+
+
 def _fla_import():
+    global _FLA_PINNED
     from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd  # noqa: PLC0415
 
+    if not _FLA_PINNED and os.environ.get("RWKV_FLEET_FLA_AUTOTUNE") != "1":
+        _pin_autotuners("fla.")
+        _FLA_PINNED = True
     return chunk_dplr_fwd
+
+
+def _pin_autotuners(prefix: str) -> None:
+    """Gives each Triton autotuner in the modules under `prefix` one config (4 warps, 2 stages,
+    the largest block up to 64). fla autotunes every kernel over up to 27 configs on first use,
+    which costs minutes of compiling at every start; RWKV_FLEET_FLA_AUTOTUNE=1 keeps its tuning.
+    """
+    from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
+
+    def score(config):
+        blocks = sum(v for v in config.kwargs.values() if isinstance(v, int) and v <= 64)
+        return abs(config.num_warps - 4), abs((config.num_stages or 2) - 2), -blocks
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            seen = 0
+            while value is not None and seen < 4:  # heuristics/autotune wrappers nest through .fn
+                if isinstance(value, Autotuner) and len(value.configs) > 1:
+                    value.configs = [min(value.configs, key=score)]
+                value, seen = getattr(value, "fn", None), seen + 1
 
 
 def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch) -> tuple[Tensor, Tensor]:

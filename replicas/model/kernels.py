@@ -128,7 +128,8 @@ def ln_shift_mix(
     _ln_shift_mix_kernel[(T,)](
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
         tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, LN_EPS,
-        HAS_DX=dx is not None, STORE_X=dx is not None or x_out.data_ptr() != x_in.data_ptr(), PREFILL=prefill, NMIX=G, BLOCK_C=_pow2(C), num_warps=4 if C <= 2048 else 8,
+        HAS_DX=dx is not None, STORE_X=dx is not None or x_out.data_ptr() != x_in.data_ptr(), PREFILL=prefill,
+        NMIX=G, BLOCK_C=_pow2(C), num_warps=4 if C <= 2048 else 8,
     )
     return out
 
@@ -176,10 +177,12 @@ def _activate(y, act):
     return tl.where(act == 3, r * r, y)
 
 
-@triton.jit
+# Sizes that change with the batch or the model are not specialised on (one compile serves all);
+# strides are, so that loads of rows stay 16-byte wide.
+@triton.jit(do_not_specialize=["M", "N", "K", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_kernel(
-    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT,
-    GROUPED: tl.constexpr, PRO_RELU2: tl.constexpr, EPI: tl.constexpr, SPLIT_K: tl.constexpr,
+    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
+    GROUPED: tl.constexpr, PRO_RELU2: tl.constexpr, EPI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -261,8 +264,8 @@ def gemv(
         raise ValueError("gemv is for at most 64 rows")
     _gemv_kernel[(n_blocks, split)](
         a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K,
-        table.tensor if table is not None else y, n_blocks, act,
-        GROUPED=table is not None, PRO_RELU2=pro_relu2, EPI=epi, SPLIT_K=split,
+        table.tensor if table is not None else y, n_blocks, act, split,
+        GROUPED=table is not None, PRO_RELU2=pro_relu2, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
     )
     return y
@@ -292,7 +295,7 @@ def _lora_out(hid_ptr, w_rows, R, N: tl.constexpr, BLOCK_R: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Rw", "Ra", "Rv", "Rg", "H"])
 def _wkv_decode_kernel(
     P, ldp, gsp, Lo, ldl, gsl, W2, ldw2, hw, ha, hv, hg, Rw, Ra, Rv, Rg, VF, prm, S, idx, Y, H, C, gn_eps,
     N: tl.constexpr, BLOCK_R: tl.constexpr, FIRST: tl.constexpr, FUSED_LORA: tl.constexpr,
@@ -349,7 +352,7 @@ def _wkv_decode_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _wkv_prepare_kernel(
     Rr, Kk, Vv, Wl, Al, Vl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
     N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr,
@@ -385,7 +388,7 @@ def _wkv_prepare_kernel(
     tl.store(bonus + t * H + tl.arange(0, BLOCK_H), bo, mask=tl.arange(0, BLOCK_H) < H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _wkv_finish_kernel(O, V2, G, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
@@ -431,7 +434,7 @@ def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Te
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _wkv_recurrent_kernel(Rr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)

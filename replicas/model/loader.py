@@ -7,6 +7,7 @@ the reference), bf16 weights with an fp32 state on a GPU.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from ..tokenizer import Tokenizer, load_tokenizer
 from .checkpoint import Progress, _quiet, load_model
 from .config import ModelCard
 from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from .cuda_runner import CudaRunner as CudaRunnerType
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +35,7 @@ def pick_device(name: str | None = None) -> torch.device:
 
 def open_model(
     directory: Path | None, max_slots: int, device: str | None = None, progress: Progress = _quiet
-) -> tuple[ModelRunner, Tokenizer, ModelCard]:
+) -> tuple[ModelRunner | CudaRunnerType, Tokenizer, ModelCard]:
     directory = Path(directory) if directory else default_model_dir()
     where = pick_device(device)
     dtype = torch.float32 if where.type == "cpu" else torch.bfloat16
@@ -39,4 +43,8 @@ def open_model(
     tokenizer = load_tokenizer(directory / card.tokenizer)
     if card.eos_token_id is not None and tokenizer.eos_token_id is None:
         tokenizer.eos_token_id = card.eos_token_id
+    if where.type == "cuda":  # CUDA graphs and Triton kernels (cuda_runner.py); Triton ships with CUDA torch
+        from .cuda_runner import CudaRunner  # noqa: PLC0415 - imports Triton only where it is used
+
+        return CudaRunner(model, max_slots), tokenizer, card
     return ModelRunner(model, max_slots), tokenizer, card

@@ -1,0 +1,529 @@
+"""GPU benchmark: the CUDA runner's decode and prefill tokens/s next to the `rwkv` package's and
+next to the GPU's limits, all measured in one run; plus the engine's own throughput.
+
+For random-init models of the released shapes (0.1B L12 C768, 1.5B L24 C2048, 7.2B L32 C4096;
+vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly on the GPU in bf16:
+  * exactness first: prefill, decode graphs (gemv and cuBLAS paths) and a mixed step against the
+    fp32 reference (rwkv7.py through ModelRunner) on the same weights: ‖Δ‖/‖ref‖ ≤ 1e-2;
+  * decode tokens/s at batch 1, 8, 64, 256 (runner.decode: host copy + graph replay + logits copy);
+  * prefill tokens/s at 1 × 4,096 and 16 × 1,024;
+  * the `rwkv` package (0.8.32, RWKV_CUDA_ON=1, "cuda fp16") on the same shapes, in a child
+    process (it changes global torch flags): decode at batch 1 and prefill of one row;
+  * limits: copy bandwidth and bf16 matrix rate measured here; a step's limit is
+    max(bytes / bandwidth, flops / rate) with bytes = weights read once + states read and written
+    + logits written, flops = 2 · rows · parameters used;
+  * the engine (replicas.engine.Engine, no Ray): concurrent requests → generated tokens/s, next to
+    the runner's raw decode rate at that batch, which shows what the scheduler costs.
+
+    python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
+
+Progress goes to stderr; the Markdown table to stdout and DIR/gpu_bench.md (DIR/gpu_bench.json
+holds every number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replicas.model.config import ModelConfig  # noqa: E402
+from replicas.model.rwkv7 import RWKV7  # noqa: E402
+
+SHAPES = {  # LoRA ranks of the released models (RWKV-LM's x070 formulas of C)
+    "0.1b": ModelConfig(12, 768, 64, 65536, 3072, 64, 64, 32, 128),
+    "1.5b": ModelConfig(24, 2048, 64, 65536, 8192, 96, 96, 64, 256),
+    "7.2b": ModelConfig(32, 4096, 64, 65536, 16384, 128, 128, 96, 480),
+}
+DECODE_BATCHES = (1, 8, 64, 256)
+PREFILLS = ((1, 4096), (16, 1024))
+BARS = {  # from the issue: (model, case) -> tokens/s
+    ("0.1b", "decode 1"): 3000, ("1.5b", "decode 1"): 1000, ("7.2b", "decode 1"): 230,
+    ("1.5b", "decode 256"): 59000, ("7.2b", "decode 64"): 7500,
+    ("1.5b", "prefill 1×4096"): 150000, ("7.2b", "prefill 1×4096"): 41000,
+}
+START = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> RWKV7:
+    """init_random's distributions, drawn on the GPU in the target dtype (a 7.2B model in seconds)."""
+    with torch.device("meta"):
+        model = RWKV7(cfg)
+    model = model.to(dtype=dtype).to_empty(device="cuda").eval().requires_grad_(False)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    C, F = cfg.n_embd, cfg.ffn_dim
+
+    def normal(t, std):
+        t.normal_(0.0, std, generator=gen)
+
+    def uniform(t, low, high):
+        t.uniform_(low, high, generator=gen)
+
+    normal(model.emb.weight, 1.0)
+    normal(model.head.weight, 1.0 / math.sqrt(C))
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm):
+            uniform(module.weight, 0.8, 1.2)
+            normal(module.bias, 0.05)
+    for block in model.blocks:
+        att, ffn = block.att, block.ffn
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            uniform(getattr(att, name), 0.0, 1.0)
+        uniform(ffn.x_k, 0.0, 1.0)
+        uniform(att.w0, -4.0, 1.0)
+        normal(att.a0, 0.5)
+        normal(att.v0, 0.5)
+        uniform(att.k_k, 0.6, 1.0)
+        uniform(att.k_a, 0.6, 1.2)
+        normal(att.r_k, 0.3)
+        for name in "wavg":
+            normal(getattr(att, f"{name}1"), 1.0 / math.sqrt(C))
+            second = getattr(att, f"{name}2")
+            normal(second, 1.0 / math.sqrt(second.shape[0]))
+        for linear in (att.receptance, att.key, att.value, ffn.key):
+            normal(linear.weight, 1.0 / math.sqrt(C))
+        normal(att.output.weight, 0.5 / math.sqrt(C))
+        normal(ffn.value.weight, 0.5 / math.sqrt(F))
+    return model
+
+
+def n_params(cfg: ModelConfig) -> dict[str, int]:
+    C, F, V = cfg.n_embd, cfg.ffn_dim, cfg.vocab_size
+    lora = 2 * C * (cfg.w_lora + cfg.a_lora + cfg.v_lora + cfg.g_lora)
+    layer = 4 * C * C + 2 * C * F + lora + 20 * C
+    return {"layers": cfg.n_layer * layer, "emb": V * C, "head": V * C + 2 * C}
+
+
+# -- ceilings and limits ------------------------------------------------------------------------
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 matrix rate (FLOP/s), medians."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)  # 4 GiB
+    dst = torch.empty_like(src)
+    copy = _median_ms(lambda: dst.copy_(src), reps=10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = _median_ms(lambda: torch.mm(a, b), reps=10)
+    return {"bandwidth": 2 * 4 * (1 << 30) / (copy / 1e3), "matmul": 2 * 8192**3 / (mm / 1e3)}
+
+
+def _median_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def decode_limit(cfg: ModelConfig, batch: int, ceil: dict) -> float:
+    p = n_params(cfg)
+    weights = 2 * (p["layers"] + p["head"])
+    bytes_ = weights + batch * (2 * cfg.state_bytes() + 4 * cfg.vocab_size + 2 * cfg.n_embd)
+    flops = 2 * batch * (p["layers"] + p["head"])
+    return batch / max(bytes_ / ceil["bandwidth"], flops / ceil["matmul"])
+
+
+def prefill_limit(cfg: ModelConfig, rows: int, length: int, ceil: dict) -> float:
+    p = n_params(cfg)
+    tokens = rows * length
+    bytes_ = 2 * (p["layers"] + p["head"]) + rows * 2 * cfg.state_bytes()
+    flops = 2 * tokens * p["layers"] + 2 * rows * p["head"]
+    return tokens / max(bytes_ / ceil["bandwidth"], flops / ceil["matmul"])
+
+
+# -- our runner ---------------------------------------------------------------------------------
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@torch.no_grad()
+def exactness(model: RWKV7, runner) -> dict[str, float]:
+    """Our paths against the fp32 reference on the same (bf16) weights; relative logit errors."""
+    from replicas.model.runner import ModelRunner  # noqa: PLC0415
+
+    with torch.device("meta"):
+        ref_model = RWKV7(model.config)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, assign=True)
+    reference = ModelRunner(ref_model.eval(), max_slots=8)
+    gen = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+
+    def toks(n):
+        return torch.randint(0, V, (n,), generator=gen).tolist()
+
+    errors = {}
+    slots = [0, 1, 2, 3]
+    for slot in slots:
+        reference.reset(slot)
+    chunks = [toks(n) for n in (48, 17, 5, 64)]
+    expected = reference.prefill(slots, chunks)
+    saved = runner.prefill_wkv
+    for wkv in ("chunked", "recurrent") if saved == "chunked" else ("recurrent",):
+        runner.prefill_wkv = wkv
+        for slot in slots:
+            runner.reset(slot)
+        errors[f"prefill {wkv}"] = rel_err(runner.prefill(slots, chunks), expected)
+    runner.prefill_wkv = saved
+    saved = runner.small_batch
+    for name, small in (("decode gemv (graph)", 16), ("decode cuBLAS (graph)", 0)):
+        runner.small_batch = small
+        worst = 0.0
+        for _ in range(3):
+            t = toks(len(slots))
+            worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
+        errors[name] = worst
+    runner.small_batch = saved
+    fresh = [5, 6]
+    for slot in fresh:
+        runner.reset(slot)
+        reference.reset(slot)
+    chunks, t = [toks(31), toks(9)], toks(2)
+    ours = torch.cat([runner.prefill(fresh, chunks), runner.decode(slots[:2], t)])
+    theirs = torch.cat([reference.prefill(fresh, chunks), reference.decode(slots[:2], t)])
+    errors["mixed step"] = rel_err(ours, theirs)
+    del reference
+    torch.cuda.empty_cache()
+    return errors
+
+
+def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
+    slots = list(range(batch))
+    tokens = torch.randint(0, runner.vocab_size, (batch,)).tolist()
+    runner.capture([batch])
+    for _ in range(3):
+        runner.decode(slots, tokens)
+    torch.cuda.synchronize()
+    steps, elapsed = 5, 0.0
+    while True:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.decode(slots, tokens)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed > seconds / 4 or steps >= 2000:
+            break
+        steps = min(2000, int(steps * seconds / max(elapsed, 1e-4)))
+    return batch * steps / elapsed
+
+
+def time_prefill(runner, rows: int, length: int, reps: int = 3) -> float:
+    slots = list(range(rows))
+    chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
+    runner.prefill(slots, chunks)  # compile, autotune, allocate
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        runner.prefill(slots, chunks)
+    torch.cuda.synchronize()
+    return rows * length * reps / (time.perf_counter() - start)
+
+
+def bench_ours(name: str, args, results: dict) -> None:
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+
+    cfg = SHAPES[name]
+    say(f"{name}: building a random model on the GPU")
+    model = random_model(cfg, torch.bfloat16)
+    batches = [b for b in DECODE_BATCHES]
+    runner = CudaRunner(model, max_slots=max(batches))
+    say(f"{name}: prefill wkv = {runner.prefill_wkv}; exactness against the fp32 reference")
+    try:
+        errs = exactness(model, runner)
+        results["exactness"][name] = errs
+        say(f"{name}: relative logit errors {json.dumps({k: round(v, 5) for k, v in errs.items()})}")
+    except Exception:
+        say(f"{name}: exactness FAILED\n{traceback.format_exc()}")
+        results["exactness"][name] = {"error": traceback.format_exc(limit=3)}
+    del model
+    torch.cuda.empty_cache()
+    for batch in batches:
+        case = f"decode {batch}"
+        try:
+            t0 = time.perf_counter()
+            rate = time_decode(runner, batch)
+            results["ours"][f"{name}|{case}"] = rate
+            say(f"{name}: {case}: {rate:,.0f} tokens/s ({time.perf_counter() - t0:.1f}s with capture)")
+        except Exception:
+            say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
+    if args.explore:  # the other decode path at the batch sizes where either could be chosen
+        for batch, small in ((8, 0), (16, 0), (16, 16), (32, 32), (64, 64)):
+            saved = runner.small_batch
+            runner.small_batch = small
+            try:
+                rate = time_decode(runner, batch)
+                results["explore"][f"{name}|decode {batch} {'gemv' if small else 'cublas'}"] = rate
+                say(f"{name}: explore decode {batch} {'gemv' if small else 'cuBLAS'}: {rate:,.0f} tokens/s")
+            except Exception:
+                say(f"{name}: explore decode {batch} FAILED\n{traceback.format_exc(limit=4)}")
+            runner.small_batch = saved
+    for rows, length in PREFILLS:
+        case = f"prefill {rows}×{length}"
+        try:
+            rate = time_prefill(runner, rows, length)
+            results["ours"][f"{name}|{case}"] = rate
+            say(f"{name}: {case}: {rate:,.0f} tokens/s")
+        except Exception:
+            say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
+    if args.explore and runner.prefill_wkv == "chunked":
+        runner.prefill_wkv = "recurrent"
+        try:
+            rate = time_prefill(runner, 1, 4096, reps=1)
+            results["explore"][f"{name}|prefill 1×4096 recurrent"] = rate
+            say(f"{name}: explore prefill 1×4096 recurrent wkv: {rate:,.0f} tokens/s")
+        except Exception:
+            say(f"{name}: explore recurrent FAILED\n{traceback.format_exc(limit=4)}")
+        runner.prefill_wkv = "chunked"
+    if name == args.engine_model and not args.no_engine:
+        try:
+            bench_engine(runner, results)
+        except Exception:
+            say(f"engine FAILED\n{traceback.format_exc()}")
+    del runner
+    torch.cuda.empty_cache()
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def bench_engine(runner, results: dict) -> None:
+    """Concurrent requests through the batcher (no Ray): generated tokens/s."""
+    from replicas.engine import Engine, EngineConfig  # noqa: PLC0415
+    from replicas.model.checkpoint import WORLD_VOCAB  # noqa: PLC0415
+    from replicas.sampling import SamplingParams  # noqa: PLC0415
+    from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    runner.capture()  # every bucket: the engine's batch size changes as requests come and go
+    for concurrency in (64, 256):
+        for slot in range(runner.max_slots):
+            runner.reset(slot)
+        config = EngineConfig(max_slots=concurrency, max_waiting=4 * concurrency, max_prefill_tokens=4096,
+                              token_chunk_size=512)
+        engine = Engine(runner, tokenizer, config).start()
+        params = SamplingParams(max_tokens=128, temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+        gen = torch.Generator().manual_seed(concurrency)
+        prompts = [torch.randint(1, 65536, (64,), generator=gen).tolist() for _ in range(concurrency)]
+
+        rate = asyncio.run(_engine_rate(engine, prompts, params))
+        stats = engine.snapshot_stats()["counters"]
+        engine.stop()
+        raw = time_decode(runner, concurrency, seconds=0.3)
+        results["engine"][f"{concurrency}"] = {"engine": rate, "raw_decode": raw, "counters": stats}
+        say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts, top-p 0.9): "
+            f"{rate:,.0f} generated tokens/s; runner alone {raw:,.0f}")
+
+
+async def _engine_rate(engine, prompts: list[list[int]], params) -> float:
+    from replicas.engine import Delta, Request  # noqa: PLC0415
+
+    async def one(prompt):
+        n = 0
+        async for event in engine.generate(Request(prompt, params)):
+            if isinstance(event, Delta):
+                n += len(event.token_ids)
+        return n
+
+    await asyncio.gather(*(one(p) for p in prompts[:2]))  # warm
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+# -- the rwkv package (child process) -----------------------------------------------------------
+
+
+def rwkv_child(name: str, out: Path, budget: float) -> None:
+    os.environ["RWKV_V7_ON"] = "1"
+    os.environ.setdefault("RWKV_CUDA_ON", "1")
+    os.environ.setdefault("RWKV_JIT_ON", "1")
+    cfg = SHAPES[name]
+    model = random_model(cfg, torch.float16)
+    sd = {}
+    for key, tensor in model.state_dict().items():
+        suffix = key.split(".", 2)[-1] if key.startswith("blocks.") else key
+        vector = suffix in ("att.x_r", "att.x_w", "att.x_k", "att.x_v", "att.x_a", "att.x_g", "att.w0", "att.a0",
+                            "att.v0", "att.k_k", "att.k_a", "ffn.x_k")
+        sd[key] = tensor.view(1, 1, -1) if vector else tensor
+    del model
+    import rwkv.model as rwkv_model  # noqa: PLC0415 - compiles (or loads) its CUDA kernels
+
+    load = torch.load
+    torch.load = lambda *a, _sd=sd, **k: _sd  # its loader reads a .pth; hand it the tensors instead
+    try:
+        rw = rwkv_model.RWKV("random-" + name, "cuda fp16")
+    finally:
+        torch.load = load
+    del sd
+    result = {}
+    started = time.perf_counter()
+    _, state = rw.forward([1], None)
+    for t in range(5):
+        _, state = rw.forward([t + 2], state)
+    torch.cuda.synchronize()
+    steps = 40 if name != "7.2b" else 20
+    start = time.perf_counter()
+    for t in range(steps):
+        _, state = rw.forward([100 + t], state)
+    torch.cuda.synchronize()
+    result["decode 1"] = steps / (time.perf_counter() - start)
+    for length in (4096, 1024):
+        if time.perf_counter() - started > budget:
+            break
+        try:
+            tokens = torch.randint(0, cfg.vocab_size, (length,)).tolist()
+            rw.forward(tokens, None)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            rw.forward(tokens, None)
+            torch.cuda.synchronize()
+            result[f"prefill 1×{length}"] = length / (time.perf_counter() - start)
+        except Exception as err:
+            result[f"prefill 1×{length} error"] = str(err)[:200]
+    result["cuda_kernels"] = os.environ["RWKV_CUDA_ON"] == "1"
+    out.write_text(json.dumps(result))
+
+
+def bench_rwkv(name: str, args, results: dict) -> None:
+    out = Path(args.out) / f"rwkv_{name}.json"
+    say(f"{name}: the rwkv package (child process)")
+    cmd = [sys.executable, __file__, "--rwkv-child", name, "--out", args.out]
+    try:
+        for cuda_on in ("1", "0"):  # its CUDA kernels if they build here, else its torch path
+            env = {**os.environ, "RWKV_CUDA_ON": cuda_on}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.rwkv_timeout, env=env)
+            if proc.returncode == 0 and out.exists():
+                break
+            say(f"{name}: rwkv child (RWKV_CUDA_ON={cuda_on}) failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        else:
+            return
+        numbers = json.loads(out.read_text())
+        if not numbers.pop("cuda_kernels"):
+            numbers = {f"{k} (CUDA kernels off)" if not k.endswith("error") else k: v for k, v in numbers.items()}
+        for case, value in numbers.items():
+            results["rwkv"][f"{name}|{case}"] = value
+        say(f"{name}: rwkv {numbers}")
+    except subprocess.TimeoutExpired:
+        say(f"{name}: rwkv child timed out after {args.rwkv_timeout}s")
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+def table(results: dict, models: list[str]) -> str:
+    ceil = results["ceilings"]
+    gpu = results["gpu"]
+    lines = [
+        f"GPU: {gpu}; measured copy bandwidth {ceil['bandwidth'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {ceil['matmul'] / 1e12:.0f} TFLOP/s; {results['date']}",
+        "",
+        "| model | case | rwkv-fleet tokens/s | rwkv 0.8.32 tokens/s | limit tokens/s | of limit | bar | meets |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name in models:
+        cfg = SHAPES[name]
+        cases = [f"decode {b}" for b in DECODE_BATCHES] + [f"prefill {r}×{n}" for r, n in PREFILLS]
+        for case in cases:
+            ours = results["ours"].get(f"{name}|{case}")
+            if case.startswith("decode"):
+                limit = decode_limit(cfg, int(case.split()[1]), ceil)
+            else:
+                r, n = (int(v) for v in case.split()[1].split("×"))
+                limit = prefill_limit(cfg, r, n, ceil)
+            ref = results["rwkv"].get(f"{name}|{case}")
+            if ref is None and case == "prefill 1×4096" and f"{name}|prefill 1×1024" in results["rwkv"]:
+                ref_text = f"{results['rwkv'][f'{name}|prefill 1×1024']:,.0f} (1×1024)"
+            else:
+                ref_text = f"{ref:,.0f}" if ref is not None else "—"
+            bar = BARS.get((name, case))
+            bar_text = f"{bar:,}" if bar else ""
+            if ours is None:
+                lines.append(f"| {name} | {case} | failed | {ref_text} | {limit:,.0f} | — | {bar_text} | — |")
+                continue
+            meets = "" if bar is None else ("yes" if ours >= bar else "**no**")
+            lines.append(f"| {name} | {case} | {ours:,.0f} | {ref_text} | {limit:,.0f} | {ours / limit:.0%} | "
+                         f"{bar_text} | {meets} |")
+    if results["exactness"]:
+        lines += ["", "Exactness (relative logit error against the fp32 reference, bar 1e-2):", ""]
+        for name, errs in results["exactness"].items():
+            if "error" in errs:
+                lines.append(f"- {name}: FAILED")
+                continue
+            worst = max(errs.values())
+            detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+            lines.append(f"- {name}: {'pass' if worst <= 1e-2 else '**FAIL**'} ({detail})")
+    if results["engine"]:
+        lines += ["", "Engine (continuous batcher, sampling on the GPU; 64-token prompts, 128 new tokens, top-p 0.9):",
+                  "", "| concurrent requests | engine tokens/s | runner decode tokens/s | engine / runner |",
+                  "|---:|---:|---:|---:|"]
+        for concurrency, e in results["engine"].items():
+            lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['raw_decode']:,.0f} | "
+                         f"{e['engine'] / e['raw_decode']:.0%} |")
+    if results["explore"]:
+        lines += ["", "Other paths:", ""] + [f"- {k}: {v:,.0f} tokens/s" for k, v in results["explore"].items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="0.1b,1.5b,7.2b")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--no-rwkv", action="store_true")
+    parser.add_argument("--no-engine", action="store_true")
+    parser.add_argument("--engine-model", default="1.5b")
+    parser.add_argument("--explore", action="store_true", help="also time the other decode/prefill paths")
+    parser.add_argument("--rwkv-timeout", type=int, default=240)
+    parser.add_argument("--rwkv-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.rwkv_child:
+        rwkv_child(args.rwkv_child, Path(args.out) / f"rwkv_{args.rwkv_child}.json", budget=120)
+        return
+    models = args.models.split(",")
+    results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "ours": {}, "rwkv": {}, "exactness": {}, "engine": {}, "explore": {}}
+    results["ceilings"] = measure_ceilings()
+    torch.cuda.empty_cache()
+    say(f"ceilings: {results['ceilings']['bandwidth'] / 1e12:.2f} TB/s, "
+        f"{results['ceilings']['matmul'] / 1e12:.0f} TFLOP/s")
+    for name in models:
+        bench_ours(name, args, results)
+        (Path(args.out) / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    if not args.no_rwkv:
+        for name in models:
+            bench_rwkv(name, args, results)
+    text = table(results, models)
+    (Path(args.out) / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    (Path(args.out) / "gpu_bench.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Serving on the GPU: greedy text equal to the CPU path, the engine on the CUDA runner, and the
+sampler on the GPU choosing what it chooses on the CPU.
+
+The demo model (models/demo) when present, else the random model with peaked logits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from replicas.engine import Delta, Engine, EngineConfig, Request
+from replicas.model.loader import open_model
+from replicas.sampling import Sampler, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n    ",
+    "class Parser:\n    \"\"\"Parse a configuration file.\"\"\"\n\n    def __init__(self, path):\n",
+    "    for i in range(len(items)):\n        if items[i] is None:\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
+    "# Copyright notice\n\"\"\"Utilities for working with temporary files.\"\"\"\n\nimport ",
+    "        except KeyError:\n            raise ValueError('unknown key: %r' % (key,))\n",
+    "User: What is the capital of France?\n\nAssistant:",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy(demo_model_dir):
+    """Each prompt's first 32 greedy tokens on the CPU path (fp32), one prompt at a time."""
+    runner, tokenizer, _ = open_model(demo_model_dir, max_slots=1, device="cpu")
+    out = []
+    for prompt in PROMPTS:
+        runner.reset(0)
+        logits = runner.prefill([0], [tokenizer.encode(prompt)])
+        tokens = []
+        for _ in range(NEW_TOKENS):
+            tokens.append(int(logits[0].argmax()))
+            logits = runner.decode([0], [tokens[-1]])
+        out.append(tokens)
+    return tokenizer, out
+
+
+def test_greedy_text_matches_the_cpu_path_batched(demo_model_dir, cpu_greedy):
+    """All prompts in one prefill call (ragged rows) and one decode batch per step."""
+    tokenizer, expected = cpu_greedy
+    runner, _, _ = open_model(demo_model_dir, max_slots=len(PROMPTS), device="cuda")
+    slots = list(range(len(PROMPTS)))[::-1]
+    logits = runner.prefill(slots, [tokenizer.encode(p) for p in PROMPTS])
+    got = [[] for _ in PROMPTS]
+    for _ in range(NEW_TOKENS):
+        step = logits.argmax(-1).tolist()
+        for row, token in zip(got, step, strict=True):
+            row.append(token)
+        logits = runner.decode(slots, step)
+    for prompt, ours, theirs in zip(PROMPTS, got, expected, strict=True):
+        assert ours == theirs, f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(theirs)!r}"
+
+
+def test_engine_on_the_gpu_gives_the_cpu_greedy_text(demo_model_dir, cpu_greedy):
+    tokenizer, expected = cpu_greedy
+    runner, _, _ = open_model(demo_model_dir, max_slots=4, device="cuda")
+    engine = Engine(runner, tokenizer, EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40)).start()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt, delay):
+        await asyncio.sleep(delay)
+        tokens = []
+        async for event in engine.generate(Request(tokenizer.encode(prompt), params)):
+            if isinstance(event, Delta):
+                tokens += event.token_ids
+        return tokens
+
+    async def all_prompts():  # more prompts than slots: rows arrive, wait, leave mid-batch
+        return await asyncio.gather(*(one(p, 0.005 * i) for i, p in enumerate(PROMPTS)))
+
+    try:
+        results = asyncio.run(all_prompts())
+        engine.check_integrity()
+    finally:
+        engine.stop()
+    assert results == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampler_on_the_gpu_chooses_as_on_the_cpu(seed):
+    V = 65536
+    gen = torch.Generator().manual_seed(seed)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=100, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0.7, logit_bias={5: 20.0, 6: -100.0}),
+        SamplingParams(temperature=1.0, frequency_penalty=1.5, penalty_decay=0.9, logprobs=3),
+    ]
+    slots = [3, 0, 5, 1, 2, 4]
+    cpu, gpu = Sampler(6, V, "cpu"), Sampler(6, V, "cuda")
+    for _ in range(6):
+        logits = torch.randn(len(params), V, generator=gen) * 3
+        uniforms = torch.rand(len(params), generator=gen).tolist()
+        a = cpu.sample(logits, slots, params, uniforms)
+        b = gpu.sample(logits.cuda(), slots, params, uniforms)
+        assert a.tokens == b.tokens
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert abs(x.logprob - y.logprob) < 1e-3
+    assert torch.allclose(cpu.counts, gpu.counts.cpu())
