@@ -32,10 +32,8 @@ def random_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(random_model_dir) -> Path:
+def demo_model_dir() -> Path:
     """The trained demo model that ships in the repository: peaked logits, real text."""
     path = default_model_dir()
-    if not path.exists():  # TEMPORARY until the demo model lands
-        return random_model_dir
     assert (path / "config.json").is_file(), f"the demo model is missing at {path}"
     return path

@@ -60,6 +60,11 @@ def wkv_reference(
     Rows are visited longest first so that at step t the rows still running are a prefix of the
     batch. Out-of-place throughout, so autograd can train through it.
     """
+    with torch.autocast(state.device.type, enabled=False):  # the state update stays fp32 under autocast
+        return _wkv_reference_fp32(state, r, w_log, k, v, a, b, rows)
+
+
+def _wkv_reference_fp32(state, r, w_log, k, v, a, b, rows: Rows) -> tuple[Tensor, Tensor]:
     r, w, k, v, a, b = (t.float() for t in (r, torch.exp(w_log.float()), k, v, a, b))
     if rows.uniform:  # decode and training: every row has T tokens, so [B*T] is a plain [B, T] view
         return _wkv_uniform(state.float(), r, w, k, v, a, b, rows.count)
