@@ -124,6 +124,9 @@ def reference_single_stream(pth: Path, new_tokens: int) -> float:
     model = RWKV(str(pth.with_suffix("")), "cpu fp32")
     logits, state = model.forward([1, 2, 3, 4], None)
     token = int(logits.argmax())
+    for _ in range(8):  # TorchScript optimises its graphs over the first calls
+        logits, state = model.forward([token], state)
+        token = int(logits.argmax())
     start = time.perf_counter()
     for _ in range(new_tokens):
         logits, state = model.forward([token], state)

@@ -87,8 +87,14 @@ def _wkv_reference_fp32(state, r, w_log, k, v, a, b, rows: Rows) -> tuple[Tensor
 
 
 def _wkv_step(S: Tensor, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """One token for every row: S [n,H,N,N]; r, w, k, v, a, b [n,H,N]."""
-    S = S * w[:, :, None, :] + (S @ a[..., None]) @ b[:, :, None, :] + v[..., None] @ k[:, :, None, :]
+    """One token for every row: S [n,H,N,N]; r, w, k, v, a, b [n,H,N].
+
+    S·diag(w) + (S·a) bᵀ + v kᵀ, the two rank-one terms as one rank-two product (fewer passes
+    over the state, which at decode is as much memory as the weights).
+    """
+    left = torch.stack([(S @ a[..., None])[..., 0], v], dim=-1)  # [n, H, N, 2]
+    right = torch.stack([b, k], dim=-2)  # [n, H, 2, N]
+    S = torch.baddbmm((S * w[:, :, None, :]).flatten(0, 1), left.flatten(0, 1), right.flatten(0, 1)).view_as(S)
     return (S @ r[..., None])[..., 0], S
 
 
@@ -99,11 +105,14 @@ def _wkv_uniform(S: Tensor, r, w, k, v, a, b, B: int) -> tuple[Tensor, Tensor]:
     for t in range(T):
         out, S = _wkv_step(S, r[:, t], w[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
         outs.append(out)
-    return torch.stack(outs, dim=1).view(B * T, *r.shape[2:]), S
+    out = outs[0] if T == 1 else torch.stack(outs, dim=1)
+    return out.reshape(B * T, *r.shape[2:]), S
 
 
 def token_shift(x: Tensor, shift: Tensor, rows: Rows) -> Tensor:
     """Each token's previous token: the one before it in its row, or the row's saved shift."""
+    if rows.total == rows.count:  # one token a row (decode): the saved shifts are the previous tokens
+        return shift.to(x.dtype)
     prev = torch.roll(x, 1, dims=0)
     return prev.index_put((rows.starts,), shift.to(x.dtype))
 
