@@ -56,6 +56,14 @@ BARS = {  # from the issue: (model, case) -> tokens/s
 START = time.perf_counter()
 
 
+def late(args) -> bool:
+    """Past the run's deadline: the remaining cases are skipped so that the table still prints."""
+    if time.perf_counter() - START > args.deadline:
+        say("deadline passed: skipping")
+        return True
+    return False
+
+
 def say(message: str) -> None:
     print(f"[{time.perf_counter() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
@@ -192,7 +200,13 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
             runner.reset(slot)
         errors[f"prefill {wkv}"] = rel_err(runner.prefill(slots, chunks), expected)
     runner.prefill_wkv = saved
-    saved = runner.small_batch
+    short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
+    for slot in (6, 7):
+        runner.reset(slot)
+        reference.reset(slot)
+    errors["prefill short (gemv)"] = rel_err(runner.prefill([6, 7], short), reference.prefill([6, 7], short))
+    saved = runner.small_batch, runner.auto_path
+    runner.auto_path = False
     for name, small in (("decode gemv (graph)", 16), ("decode cuBLAS (graph)", 0)):
         runner.small_batch = small
         worst = 0.0
@@ -200,7 +214,19 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
             t = toks(len(slots))
             worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
         errors[name] = worst
-    runner.small_batch = saved
+    runner.small_batch, runner.auto_path = saved
+    # for scale: the same math in plain torch bf16 (rwkv7.py on the bf16 weights) on the same inputs
+    plain = ModelRunner(model, max_slots=8)
+    for slot in slots:
+        plain.reset(slot)
+    errors["(torch bf16, for scale) prefill"] = rel_err(plain.prefill(slots, chunks), expected)
+    for slot in slots:
+        plain.write_state(slot, reference.read_state(slot))
+    t = toks(len(slots))
+    errors["(torch bf16, for scale) decode"] = rel_err(plain.decode(slots, t), reference.decode(slots, t))
+    for slot in slots:  # back in step with our runner
+        reference.write_state(slot, runner.read_state(slot))
+    del plain
     fresh = [5, 6]
     for slot in fresh:
         runner.reset(slot)
@@ -208,7 +234,7 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
     chunks, t = [toks(31), toks(9)], toks(2)
     ours = torch.cat([runner.prefill(fresh, chunks), runner.decode(slots[:2], t)])
     theirs = torch.cat([reference.prefill(fresh, chunks), reference.decode(slots[:2], t)])
-    errors["mixed step"] = rel_err(ours, theirs)
+    errors["mixed step (short prefill + decode)"] = rel_err(ours, theirs)
     del reference
     torch.cuda.empty_cache()
     return errors
@@ -266,6 +292,8 @@ def bench_ours(name: str, args, results: dict) -> None:
     torch.cuda.empty_cache()
     for batch in batches:
         case = f"decode {batch}"
+        if late(args):
+            break
         try:
             t0 = time.perf_counter()
             rate = time_decode(runner, batch)
@@ -273,26 +301,29 @@ def bench_ours(name: str, args, results: dict) -> None:
             say(f"{name}: {case}: {rate:,.0f} tokens/s ({time.perf_counter() - t0:.1f}s with capture)")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
-    if args.explore:  # the other decode path at the batch sizes where either could be chosen
-        for batch, small in ((8, 0), (16, 0), (16, 16), (32, 32), (64, 64)):
-            saved = runner.small_batch
-            runner.small_batch = small
+    say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
+    if args.explore and not late(args):  # both decode paths at the batch sizes where either could be chosen
+        for batch, small in ((1, 0), (8, 8), (8, 0), (32, 32), (32, 0), (64, 64), (64, 0)):
+            saved = runner.small_batch, runner.auto_path
+            runner.small_batch, runner.auto_path = small, False
             try:
                 rate = time_decode(runner, batch)
                 results["explore"][f"{name}|decode {batch} {'gemv' if small else 'cublas'}"] = rate
                 say(f"{name}: explore decode {batch} {'gemv' if small else 'cuBLAS'}: {rate:,.0f} tokens/s")
             except Exception:
                 say(f"{name}: explore decode {batch} FAILED\n{traceback.format_exc(limit=4)}")
-            runner.small_batch = saved
+            runner.small_batch, runner.auto_path = saved
     for rows, length in PREFILLS:
         case = f"prefill {rows}×{length}"
+        if late(args):
+            break
         try:
             rate = time_prefill(runner, rows, length)
             results["ours"][f"{name}|{case}"] = rate
             say(f"{name}: {case}: {rate:,.0f} tokens/s")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
-    if args.explore and runner.prefill_wkv == "chunked":
+    if args.explore and runner.prefill_wkv == "chunked" and not late(args):
         runner.prefill_wkv = "recurrent"
         try:
             rate = time_prefill(runner, 1, 4096, reps=1)
@@ -301,6 +332,11 @@ def bench_ours(name: str, args, results: dict) -> None:
         except Exception:
             say(f"{name}: explore recurrent FAILED\n{traceback.format_exc(limit=4)}")
         runner.prefill_wkv = "chunked"
+    if name == args.profile_model and not late(args):
+        try:
+            profile(runner)
+        except Exception:
+            say(f"profile FAILED\n{traceback.format_exc(limit=4)}")
     if name == args.engine_model and not args.no_engine:
         try:
             bench_engine(runner, results)
@@ -308,6 +344,49 @@ def bench_ours(name: str, args, results: dict) -> None:
             say(f"engine FAILED\n{traceback.format_exc()}")
     del runner
     torch.cuda.empty_cache()
+
+
+def profile(runner) -> None:
+    """Where the time goes: the CUDA kernels of one prefill (1 × 4096) and of decode steps."""
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+    from torch.profiler import profile as torch_profile  # noqa: PLC0415
+
+    chunk = torch.randint(0, runner.vocab_size, (4096,)).tolist()
+    cases = [("prefill 1×4096", lambda: runner.prefill([0], [chunk]))]
+    for batch in (1, 256):
+        tokens = torch.randint(0, runner.vocab_size, (batch,)).tolist()
+        cases.append((f"decode {batch} (5 steps)", lambda b=batch, t=tokens: [runner.decode(list(range(b)), t)
+                                                                              for _ in range(5)]))
+    for label, fn in cases:
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        say(f"profile {label}: {total / 1e3:.2f} ms of kernels")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
+            say(f"    {e.device_time_total / 1e3:8.3f} ms {e.count:5d}×  {e.key[:110]}")
+
+
+def time_sampler(results: dict) -> None:
+    """The sampler alone on the GPU (the engine's share that is not the model)."""
+    from replicas.sampling import Sampler, SamplingParams  # noqa: PLC0415
+
+    for batch in (64, 256):
+        sampler = Sampler(batch, 65536, "cuda")
+        logits = torch.randn(batch, 65536, device="cuda")
+        for label, p in (("greedy", SamplingParams(temperature=0.0)),
+                         ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9))):
+            params, slots, uniforms = [p] * batch, list(range(batch)), [0.5] * batch
+            sampler.sample(logits, slots, params, uniforms)
+            start = time.perf_counter()
+            for _ in range(10):
+                sampler.sample(logits, slots, params, uniforms)
+            ms = (time.perf_counter() - start) * 100
+            results["sampler"][f"{batch} {label}"] = ms
+            say(f"sampler: batch {batch}, {label}: {ms:.2f} ms a step")
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -321,6 +400,7 @@ def bench_engine(runner, results: dict) -> None:
     from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
+    time_sampler(results)
     runner.capture()  # every bucket: the engine's batch size changes as requests come and go
     for concurrency in (64, 256):
         for slot in range(runner.max_slots):
@@ -412,13 +492,17 @@ def rwkv_child(name: str, out: Path, budget: float) -> None:
 
 
 def bench_rwkv(name: str, args, results: dict) -> None:
-    out = Path(args.out) / f"rwkv_{name}.json"
+    out = Path(args.scratch) / f"rwkv_{name}.json"
+    left = args.deadline + args.rwkv_time - (time.perf_counter() - START)
+    if left < 30:
+        say(f"{name}: no time left for the rwkv package")
+        return
     say(f"{name}: the rwkv package (child process)")
-    cmd = [sys.executable, __file__, "--rwkv-child", name, "--out", args.out]
+    cmd = [sys.executable, __file__, "--rwkv-child", name, "--scratch", args.scratch]
     try:
         for cuda_on in ("1", "0"):  # its CUDA kernels if they build here, else its torch path
             env = {**os.environ, "RWKV_CUDA_ON": cuda_on}
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.rwkv_timeout, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, 150), env=env)
             if proc.returncode == 0 and out.exists():
                 break
             say(f"{name}: rwkv child (RWKV_CUDA_ON={cuda_on}) failed ({proc.returncode}): {proc.stderr[-1500:]}")
@@ -431,7 +515,7 @@ def bench_rwkv(name: str, args, results: dict) -> None:
             results["rwkv"][f"{name}|{case}"] = value
         say(f"{name}: rwkv {numbers}")
     except subprocess.TimeoutExpired:
-        say(f"{name}: rwkv child timed out after {args.rwkv_timeout}s")
+        say(f"{name}: rwkv child timed out")
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -476,7 +560,7 @@ def table(results: dict, models: list[str]) -> str:
             if "error" in errs:
                 lines.append(f"- {name}: FAILED")
                 continue
-            worst = max(errs.values())
+            worst = max(v for k, v in errs.items() if not k.startswith("("))
             detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
             lines.append(f"- {name}: {'pass' if worst <= 1e-2 else '**FAIL**'} ({detail})")
     if results["engine"]:
@@ -486,6 +570,9 @@ def table(results: dict, models: list[str]) -> str:
         for concurrency, e in results["engine"].items():
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['raw_decode']:,.0f} | "
                          f"{e['engine'] / e['raw_decode']:.0%} |")
+    if results["sampler"]:
+        lines += ["", "Sampler alone (GPU, ms a step): " + ", ".join(f"batch {k}: {v:.2f}"
+                                                               for k, v in results["sampler"].items())]
     if results["explore"]:
         lines += ["", "Other paths:", ""] + [f"- {k}: {v:,.0f} tokens/s" for k, v in results["explore"].items()]
     return "\n".join(lines)
@@ -498,17 +585,23 @@ def main() -> None:
     parser.add_argument("--no-rwkv", action="store_true")
     parser.add_argument("--no-engine", action="store_true")
     parser.add_argument("--engine-model", default="1.5b")
+    parser.add_argument("--profile-model", default="1.5b")
     parser.add_argument("--explore", action="store_true", help="also time the other decode/prefill paths")
-    parser.add_argument("--rwkv-timeout", type=int, default=240)
+    parser.add_argument("--deadline", type=float, default=1e9, help="seconds after which our cases are skipped")
+    parser.add_argument("--rwkv-time", type=float, default=150, help="seconds for the rwkv package after that")
+    parser.add_argument("--scratch", default="/tmp/rwkv-fleet-bench", help="the rwkv child's result files")
     parser.add_argument("--rwkv-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
     if args.rwkv_child:
-        rwkv_child(args.rwkv_child, Path(args.out) / f"rwkv_{args.rwkv_child}.json", budget=120)
+        rwkv_child(args.rwkv_child, Path(args.scratch) / f"rwkv_{args.rwkv_child}.json", budget=60)
         return
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     models = args.models.split(",")
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "ours": {}, "rwkv": {}, "exactness": {}, "engine": {}, "explore": {}}
+               "ours": {}, "rwkv": {}, "exactness": {}, "engine": {}, "explore": {}, "sampler": {}}
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    torch.backends.cudnn.allow_tf32 = False
     results["ceilings"] = measure_ceilings()
     torch.cuda.empty_cache()
     say(f"ceilings: {results['ceilings']['bandwidth'] / 1e12:.2f} TB/s, "

@@ -40,6 +40,8 @@ from .state import RNNState
 log = logging.getLogger(__name__)
 
 LORA_ALIGN = 64  # LoRA widths are padded to this in the packed weights (gemv blocks never straddle)
+AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
+EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 
 
 @dataclass
@@ -88,7 +90,9 @@ class CudaRunner:
 
     dtype: weights and activations between kernels (bf16; fp16 works too); states stay fp32.
     graphs: capture decode steps as CUDA graphs (default: on a CUDA device).
-    small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS.
+    small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS
+      (when auto_path is off; auto_path, the default with graphs, times both graphs of each
+      bucket up to AUTO_PATH_MAX rows once and keeps the faster).
     fuse_lora: decode batches up to this many rows compute the LoRA second stages inside the
       time-mix kernel (one launch less; each row re-reads those small weights from L2).
     prefill_wkv: "chunked" (fla-core), "recurrent" (Triton), or "auto" (chunked where fla imports).
@@ -96,7 +100,7 @@ class CudaRunner:
 
     def __init__(
         self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.bfloat16, graphs: bool | None = None,
-        small_batch: int = 16, fuse_lora: int = 4, prefill_wkv: str = "auto",
+        small_batch: int = 16, fuse_lora: int = 4, prefill_wkv: str = "auto", auto_path: bool | None = None,
     ):
         self.config = cfg = model.config
         self.device = next(model.parameters()).device
@@ -106,6 +110,8 @@ class CudaRunner:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.small_batch = small_batch
         self.fuse_lora = fuse_lora
+        self.auto_path = self.graphs if auto_path is None else auto_path
+        self.path_choice: dict[int, bool] = {}  # bucket -> gemv path (True) or cuBLAS (False)
         self.C, self.H, self.N, self.F = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.ffn_dim
         self.ranks = (cfg.w_lora, cfg.a_lora, cfg.v_lora, cfg.g_lora)
         self.padded = tuple(-(-r // LORA_ALIGN) * LORA_ALIGN for r in self.ranks)
@@ -144,15 +150,15 @@ class CudaRunner:
         B = len(rows)
         if not self.graphs:
             io = torch.tensor([list(tokens), list(rows)], dtype=torch.int32).to(self.device)
-            return self._decode_body(io[0], io[1], B)
+            return self._decode_body(io[0], io[1], B, B <= self.small_batch)
         bucket = next(b for b in self.buckets if b >= B)
-        graph, io, logits = self._graphs.get(self._graph_key(bucket)) or self._capture(bucket)
-        host = torch.empty(2, bucket, dtype=torch.int32)
+        graph, io, logits = self._graph(bucket)
+        host = torch.empty(2, bucket, dtype=torch.int32, pin_memory=True)  # torch's cached pinned blocks
         host[0].zero_()
         host[1].fill_(self.scratch)
         host[0, :B] = torch.tensor(tokens, dtype=torch.int32)
         host[1, :B] = torch.tensor(rows, dtype=torch.int32)
-        io.copy_(host, non_blocking=True)  # from pageable memory: staged at once, no device sync
+        io.copy_(host, non_blocking=True)  # pinned: a true async copy (pageable memory may sync)
         graph.replay()
         return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
 
@@ -172,24 +178,42 @@ class CudaRunner:
         """Captures the decode graphs of the buckets these batch sizes fall in (default: all)."""
         if self.graphs:
             for size in batch_sizes or self.buckets:
-                bucket = next(b for b in self.buckets if b >= size)
-                if self._graph_key(bucket) not in self._graphs:
-                    self._capture(bucket)
+                self._graph(next(b for b in self.buckets if b >= size))
 
     # -- decode --------------------------------------------------------------------------------
 
-    def _graph_key(self, bucket: int) -> tuple[int, bool, bool]:
-        """A graph records one path; the key changes if small_batch or fuse_lora are changed."""
-        return bucket, bucket <= self.small_batch, bucket <= self.fuse_lora
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        """The decode graph of a bucket, captured on first use along the path chosen for it."""
+        small = self._small_path(bucket)
+        key = (bucket, small, bucket <= self.fuse_lora)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, small)
+        return self._graphs[key]
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+    def _small_path(self, bucket: int) -> bool:
+        """gemv or cuBLAS path: by timing both graphs once (auto_path), else by small_batch."""
+        if bucket > AUTO_PATH_MAX or (not self.auto_path and bucket > self.small_batch):
+            return False
+        if not self.auto_path:
+            return True
+        if bucket not in self.path_choice:
+            times = {}
+            for small in (True, False):
+                key = (bucket, small, bucket <= self.fuse_lora)
+                self._graphs[key] = self._capture(bucket, small)
+                times[small] = _replay_ms(self._graphs[key][0])
+            self.path_choice[bucket] = min(times, key=times.get)
+            log.info("decode bucket %d: gemv %.3f ms, cuBLAS %.3f ms", bucket, times[True], times[False])
+        return self.path_choice[bucket]
+
+    def _capture(self, bucket: int, small: bool) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         io = torch.zeros(2, bucket, dtype=torch.int32, device=self.device)
         io[1].fill_(self.scratch)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile kernels, create cuBLAS handles; writes only the scratch slot
             for _ in range(2):
-                self._decode_body(io[0], io[1], bucket)
+                self._decode_body(io[0], io[1], bucket, small)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -197,48 +221,51 @@ class CudaRunner:
         # Every graph shares one pool: only temporaries live there besides each graph's logits,
         # which stay referenced, and graphs never run concurrently.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._decode_body(io[0], io[1], bucket)
-        self._graphs[self._graph_key(bucket)] = (graph, io, logits)
+            logits = self._decode_body(io[0], io[1], bucket, small)
         return graph, io, logits
 
-    def _decode_body(self, tokens: Tensor, idx: Tensor, B: int) -> Tensor:
-        """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V]."""
-        small = B <= self.small_batch
-        st, C, dt = self.states, self.C, self.dtype
+    def _decode_body(self, tokens: Tensor, idx: Tensor, B: int, small: bool) -> Tensor:
+        """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V].
+
+        small: the gemv path, fp32 between kernels (activations enter the products as hi + lo
+        bf16 parts, so only the weights are rounded); else cuBLAS, bf16 between kernels.
+        """
+        st, C, dev = self.states, self.C, self.device
+        act = torch.float32 if small else self.dtype
         x = K.embed_ln(tokens, self.emb, *self.ln0)  # [B, C] fp32
-        v_first = torch.empty(B, C, device=self.device, dtype=dt)
+        v_first = torch.empty(B, C, device=dev, dtype=act)
         dx = None  # the large path's pending residual update; the small path adds into x directly
         for i, lw in enumerate(self.layers):
-            mixed = K.ln_shift_mix(x, dx, x, *lw.ln1, st.att_shift[i], lw.mix_att, idx, dt)
+            mixed = K.ln_shift_mix(x, dx, x, *lw.ln1, st.att_shift[i], lw.mix_att, idx, act)
             if small:
-                proj = torch.empty(B, self.n_in, device=self.device, dtype=dt)
+                proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, B, table=self.table_in, n_sm=self.n_sm)
+                rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
+                hidden = tuple(proj[:, c:c + r] for c, r in zip(self.hidden_cols, self.padded, strict=True))
                 lora = None
                 if B > self.fuse_lora:
-                    lora = torch.empty(B, 4 * C, device=self.device, dtype=dt)
-                    K.gemv(proj, lw.w2, lora, B, table=self.table_lora2, n_sm=self.n_sm)
-                y = self._wkv_decode(proj, (proj.stride(0), C), lora, (4 * C, C), lw, v_first, i, idx)
+                    out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
+                    K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
+                    lora = tuple(out[:, g * C:(g + 1) * C] for g in range(4))
+                y = K.wkv_decode(rkv, lora, hidden, lw.w2, self.ranks, v_first, lw.prm, st.wkv[i], idx, self.H,
+                                 i == 0, torch.float32)
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
-                kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, dt)
-                kf = torch.empty(B, self.F, device=self.device, dtype=dt)
+                kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
+                kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
                 K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
                 K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
             else:
                 rkv, lora = self._projections(lw, mixed, B, first=i == 0)
-                y = self._wkv_decode(rkv, (C, B * C), lora, (C, B * C), lw, v_first, i, idx)
+                y = K.wkv_decode(tuple(rkv), tuple(lora), None, lw.w2, self.ranks, v_first, lw.prm, st.wkv[i], idx,
+                                 self.H, i == 0, self.dtype)
                 dx = torch.mm(y, lw.wo.t())
-                kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, dt)
+                kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
                 dx = self._ffn(lw, kin)
-        hn = K.add_ln(x, dx, *self.ln_out, None, dt)
+        hn = K.add_ln(x, dx, *self.ln_out, None, act)
         if small:
-            logits = torch.empty(B, self.vocab_size, device=self.device, dtype=torch.float32)
+            logits = torch.empty(B, self.vocab_size, device=dev, dtype=torch.float32)
             return K.gemv(hn, self.head, logits, B, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
-
-    def _wkv_decode(self, p, p_strides, lora, lora_strides, lw: _Layer, v_first, i: int, idx) -> Tensor:
-        """The fused time-mix core; p holds r, k, v (and the LoRA hiddens when lora is None)."""
-        return K.wkv_decode(p, p_strides, lora, lora_strides, lw.w2, self.hidden_cols, self.ranks, v_first,
-                            lw.prm, self.states.wkv[i], idx, self.H, i == 0, self.dtype)
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
 
@@ -261,8 +288,7 @@ class CudaRunner:
         return rkv, lora
 
     def _ffn(self, lw: _Layer, kin: Tensor) -> Tensor:
-        k = torch.mm(kin, lw.wfk.t())
-        torch.relu_(k).square_()
+        k = K.relu2_(torch.mm(kin, lw.wfk.t()))
         return torch.mm(k, lw.wfv.t())
 
     # -- prefill -------------------------------------------------------------------------------
@@ -284,11 +310,13 @@ class CudaRunner:
             [v for r in range(R) for v in (rows[r], starts[r], lengths[r])], cu,
         ]
         chunk_idx = None
-        if self.prefill_wkv == "chunked":
+        if self.prefill_wkv == "chunked" and len(fields[0]) > EXACT_PREFILL:
             chunk_idx = [v for r in range(R) for c in range(-(-lengths[r] // 64)) for v in (r, c)]
             fields.append(chunk_idx)
         host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
-        dev = host.to(self.device, non_blocking=True)  # one copy from pageable memory, no device sync
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # pinned: a true async copy (from pageable memory it may sync)
+        dev = host.to(self.device, non_blocking=True)
         views, at = [], 0
         for f in fields:
             views.append(dev[at:at + len(f)])
@@ -300,37 +328,65 @@ class CudaRunner:
         )
 
     def _prefill_body(self, batch: _Batch) -> Tensor:
-        st, C, H, dt = self.states, self.C, self.H, self.dtype
+        """All rows' tokens through the layers. Up to EXACT_PREFILL tokens: the gemv products with
+        fp32 between kernels (and the recurrent kernel); more: cuBLAS, bf16, the chunked kernel."""
+        st, C, H, dev = self.states, self.C, self.H, self.device
         T, R = batch.tokens.shape[0], batch.slots.shape[0]
+        exact = T <= EXACT_PREFILL
+        act = torch.float32 if exact else self.dtype
+        wkv = "recurrent" if exact else self.prefill_wkv
+        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # fla's kernels take bf16
         x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
         x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
-        v_first = torch.empty(T, C, device=self.device, dtype=dt)
-        new_shift = torch.empty(R, C, device=self.device, dtype=torch.float32)
-        kv_dtype = dt if self.prefill_wkv == "chunked" else torch.float32  # fla's kernels take bf16
+        v_first = torch.empty(T, C, device=dev, dtype=act)
+        new_shift = torch.empty(R, C, device=dev, dtype=torch.float32)
         dx = None
         for i, lw in enumerate(self.layers):
-            mixed = K.ln_shift_mix(x, dx, x_next, *lw.ln1, st.att_shift[i], lw.mix_att, batch.tok_slot, dt,
+            mixed = K.ln_shift_mix(x, dx, x_next, *lw.ln1, st.att_shift[i], lw.mix_att, batch.tok_slot, act,
                                    batch.tok_row, new_shift)
             st.att_shift[i].index_copy_(0, batch.slots, new_shift)
             x, x_next = x_next, x
-            rkv, lora = self._projections(lw, mixed, T, first=i == 0)
+            if exact:
+                proj = torch.empty(T, self.n_in, device=dev, dtype=torch.float32)
+                K.gemv(mixed, lw.w_in, proj, T, table=self.table_in, n_sm=self.n_sm)
+                lora_out = torch.empty(T, 4 * C, device=dev, dtype=torch.float32)
+                K.gemv(proj, lw.w2, lora_out, T, table=self.table_lora2, n_sm=self.n_sm)
+                rkv = [proj[:, j * C:(j + 1) * C] for j in range(3)]
+                lora = [lora_out[:, g * C:(g + 1) * C] for g in range(4)]
+            else:
+                rkv, lora = self._projections(lw, mixed, T, first=i == 0)
             w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
                                                      lw.prm, H, i == 0, kv_dtype)
-            o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch)
-            y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, dt)
-            dx = torch.mm(y, lw.wo.t())
-            kin = K.ln_shift_mix(x, dx, x_next, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, batch.tok_slot, dt,
+            o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
+            y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
+            dx = self._product(y, lw.wo, exact)
+            kin = K.ln_shift_mix(x, dx, x_next, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, batch.tok_slot, act,
                                  batch.tok_row, new_shift)
             st.ffn_shift[i].index_copy_(0, batch.slots, new_shift)
             x, x_next = x_next, x
-            dx = self._ffn(lw, kin)
-        hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, dt)
+            if exact:
+                kf = torch.empty(T, self.F, device=dev, dtype=torch.float32)
+                K.gemv(kin, lw.wfk, kf, T, act=K.ACT_RELU2, n_sm=self.n_sm)
+                dx = self._product(kf, lw.wfv, exact)
+            else:
+                dx = self._ffn(lw, kin)
+        hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, act)
+        if exact:
+            logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
+            return K.gemv(hn, self.head, logits, R, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
 
-    def _wkv_sequence(self, i: int, r, w_log, k, v, a, b, batch: _Batch) -> Tensor:
+    def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
+        """a · wᵀ: fp32 from the gemv (split-K, added into zeros) or bf16 from cuBLAS."""
+        if not exact:
+            return torch.mm(a, w.t())
+        out = torch.zeros(a.shape[0], w.shape[0], device=self.device, dtype=torch.float32)
+        return K.gemv(a, w, out, a.shape[0], epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+
+    def _wkv_sequence(self, i: int, r, w_log, k, v, a, b, batch: _Batch, wkv: str) -> Tensor:
         """The recurrence over the batch's rows from (and into) their slots' layer-i state."""
         state = self.states.wkv[i]  # [S + 1, H, N, N]
-        if self.prefill_wkv == "recurrent":
+        if wkv == "recurrent":
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
         T, H, N = r.shape[0], self.H, self.N
         s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
@@ -384,8 +440,8 @@ class CudaRunner:
             [(C, 0, C, none), (C, C, C, none), (C, 2 * C, C, none),  # r, k, v from xr, xk, xv
              (pw, 3 * C, C, tanh), (pa, 4 * C, C, none), (pv, 2 * C, C, none), (pg, 5 * C, C, sig)],
             block_n=32, device=self.device)
-        self.table_lora2 = K.GemvTable(
-            [(C, col, r, none) for col, r in zip(self.hidden_cols, self.ranks, strict=True)],
+        self.table_lora2 = K.GemvTable(  # padded K: w2's padding columns are zero
+            [(C, col, r, none) for col, r in zip(self.hidden_cols, self.padded, strict=True)],
             block_n=32, device=self.device)
 
     def _pick_f32_matmul(self):
@@ -416,6 +472,18 @@ class CudaRunner:
             raise ValueError(f"rows must be distinct, non-empty and match the inputs: {list(rows)}")
         if any(not 0 <= r < self.max_slots for r in rows):
             raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 # -- fla-core's chunked RWKV-7 recurrence ---------------------------------------------------------

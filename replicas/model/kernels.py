@@ -161,11 +161,14 @@ def add_ln(x: torch.Tensor, dx: torch.Tensor | None, ln_w: torch.Tensor, ln_b: t
 
 
 # --------------------------------------------------------------------------------------------
-# Small-batch matrix products (decode at up to a few dozen rows): Y = epi(act(A) · Wᵀ)
+# Small-batch matrix products (decode at up to a few dozen rows): Y = epi(act(A · Wᵀ))
 #   W is an nn.Linear weight [N, K]; the product is bound by reading W once, so each program
-#   streams a [BLOCK_N, K-range] slab of it. "Grouped": each BLOCK_N block of output columns has
-#   its own input columns, K and activation (r/k/v and the four LoRA first stages in one launch).
-#   EPI_ATOMIC_ADD splits K over programs and adds into an fp32 Y (the residual stream).
+#   streams a [BLOCK_N, K-range] slab of it with 16-byte loads (K is a multiple of BLOCK_K: no
+#   masks along K). "Grouped": each BLOCK_N block of output columns has its own input columns, K
+#   and activation (r/k/v and the four LoRA first stages in one launch). EPI_ATOMIC_ADD splits K
+#   over programs and adds into an fp32 Y (the residual stream).
+#   SPLIT_A: A is fp32 and enters the tensor cores as hi + lo bf16 parts, two products per W tile:
+#   the activations keep ~16 mantissa bits at no cost in bytes of W (decode is bound by those).
 # --------------------------------------------------------------------------------------------
 
 
@@ -179,14 +182,15 @@ def _activate(y, act):
 
 # Sizes that change with the batch or the model are not specialised on (one compile serves all);
 # strides are, so that loads of rows stay 16-byte wide.
-@triton.jit(do_not_specialize=["M", "N", "K", "n_blocks", "ACT", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_kernel(
     A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
-    GROUPED: tl.constexpr, PRO_RELU2: tl.constexpr, EPI: tl.constexpr,
+    GROUPED: tl.constexpr, SPLIT_A: tl.constexpr, EPI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     if GROUPED:
         a_col = tl.load(table + pid_n)
         k_len = tl.load(table + n_blocks + pid_n)
@@ -195,26 +199,27 @@ def _gemv_kernel(
         a_col = 0
         k_len = K
         act = ACT
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_per = tl.cdiv(tl.cdiv(k_len, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, k_len)
-    a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col
-    w_rows = W + offs_n[:, None].to(tl.int64) * ldw
     m_mask = offs_m[:, None] < M
     n_mask = offs_n[:, None] < N
+    a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
+    w_rows = W + offs_n[:, None].to(tl.int64) * ldw + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks[None, :] < k_hi
-        a = tl.load(a_rows + ks[None, :], mask=m_mask & k_mask, other=0.0)
-        if PRO_RELU2:
-            a = tl.maximum(a.to(tl.float32), 0.0)
-            a = (a * a).to(W.dtype.element_ty)
-        w = tl.load(w_rows + ks[None, :], mask=n_mask & k_mask, other=0.0)
-        acc += tl.dot(a, tl.trans(w))
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        w = tl.trans(tl.load(w_rows + k0, mask=n_mask, other=0.0))
+        a = tl.load(a_rows + k0, mask=m_mask, other=0.0)
+        if SPLIT_A:
+            hi = a.to(W.dtype.element_ty)
+            acc += tl.dot(hi, w)
+            acc += tl.dot((a - hi.to(tl.float32)).to(W.dtype.element_ty), w)
+        else:
+            acc += tl.dot(a.to(W.dtype.element_ty), w)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
     y_mask = m_mask & (offs_n[None, :] < N)
     if EPI == 1:
@@ -227,48 +232,67 @@ class GemvTable:
     """Per output block (BLOCK_N columns): input column, K and activation, for a grouped gemv.
 
     groups: (output columns, input column, K, activation) in output order; every group's output
-    width must be a multiple of block_n.
+    width must be a multiple of block_n, every K a multiple of 64.
     """
 
     def __init__(self, groups: list[tuple[int, int, int, int]], block_n: int, device: torch.device):
         rows = []
         for width, a_col, k, act in groups:
-            if width % block_n:
-                raise ValueError(f"group width {width} is not a multiple of {block_n}")
+            if width % block_n or k % 64:
+                raise ValueError(f"group of width {width}, K {k}: not multiples of {block_n} and 64")
             rows += [(a_col, k, act)] * (width // block_n)
         self.block_n = block_n
         self.n_blocks = len(rows)
+        self.block_k = 128 if all(k % 128 == 0 for _, k, _ in rows) else 64
         self.max_k = max(k for _, k, _ in rows)
         self.tensor = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.int32).reshape(-1).to(device)
 
 
 def gemv(
     a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, *, table: GemvTable | None = None,
-    act: int = ACT_NONE, pro_relu2: bool = False, epi: int = EPI_STORE, n_sm: int = 132,
+    act: int = ACT_NONE, epi: int = EPI_STORE, n_sm: int = 132,
 ) -> torch.Tensor:
-    """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K]."""
+    """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K].
+
+    An fp32 `a` is split into bf16 hi + lo parts (SPLIT_A); a bf16 `a` is used as it is.
+    """
     N, K = w.shape
     if table is not None:
-        block_n, n_blocks, k_max = table.block_n, table.n_blocks, table.max_k
+        block_n, n_blocks, k_max, block_k = table.block_n, table.n_blocks, table.max_k, table.block_k
         if n_blocks * block_n != N:
             raise ValueError("grouped gemv: the table does not cover the weight's rows")
     else:
         block_n = 64 if N >= 8192 else 32
         n_blocks, k_max = triton.cdiv(N, block_n), K
-    block_k = 128
+        block_k = 128 if K % 128 == 0 else 64
+        if K % 64:
+            raise ValueError(f"gemv needs K a multiple of 64, got {K}")
     split = 1
     if epi == EPI_ATOMIC_ADD:  # enough programs to keep every multiprocessor streaming
         split = max(1, min(triton.cdiv(2 * n_sm, n_blocks), k_max // block_k))
-    block_m = max(16, _pow2(m))
-    if block_m > 64:
-        raise ValueError("gemv is for at most 64 rows")
-    _gemv_kernel[(n_blocks, split)](
+    block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
+    _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
         a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K,
         table.tensor if table is not None else y, n_blocks, act, split,
-        GROUPED=table is not None, PRO_RELU2=pro_relu2, EPI=epi,
+        GROUPED=table is not None, SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
     )
     return y
+
+
+@triton.jit
+def _relu2_kernel(x, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.maximum(tl.load(x + offs, mask=mask, other=0.0).to(tl.float32), 0.0)
+    tl.store(x + offs, (v * v).to(x.dtype.element_ty), mask=mask)
+
+
+def relu2_(x: torch.Tensor) -> torch.Tensor:
+    """x = relu(x)² in place, one pass (torch: relu_ then square_, two)."""
+    n = x.numel()
+    _relu2_kernel[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096, num_warps=8)
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,29 +321,27 @@ def _lora_out(hid_ptr, w_rows, R, N: tl.constexpr, BLOCK_R: tl.constexpr):
 
 @triton.jit(do_not_specialize=["Rw", "Ra", "Rv", "Rg", "H"])
 def _wkv_decode_kernel(
-    P, ldp, gsp, Lo, ldl, gsl, W2, ldw2, hw, ha, hv, hg, Rw, Ra, Rv, Rg, VF, prm, S, idx, Y, H, C, gn_eps,
-    N: tl.constexpr, BLOCK_R: tl.constexpr, FIRST: tl.constexpr, FUSED_LORA: tl.constexpr,
+    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, HW, HA, HV, HG, W2, ldw2, Rw, Ra, Rv, Rg, VF, prm, S, idx, Y,
+    H, C, gn_eps, N: tl.constexpr, BLOCK_R: tl.constexpr, FIRST: tl.constexpr, FUSED_LORA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
     i = tl.arange(0, N)
     c = h * N + i
-    row = P + b * ldp
-    r = tl.load(row + c).to(tl.float32)
-    k = tl.load(row + gsp + c).to(tl.float32)
-    v = tl.load(row + 2 * gsp + c).to(tl.float32)
+    r = tl.load(R_ + b * ldp + c).to(tl.float32)
+    k = tl.load(K_ + b * ldp + c).to(tl.float32)
+    v = tl.load(V_ + b * ldp + c).to(tl.float32)
     if FUSED_LORA:
-        wl = _lora_out(row + hw, W2 + c.to(tl.int64) * ldw2, Rw, N, BLOCK_R)
-        al = _lora_out(row + ha, W2 + (C + c).to(tl.int64) * ldw2, Ra, N, BLOCK_R)
-        vl = _lora_out(row + hv, W2 + (2 * C + c).to(tl.int64) * ldw2, Rv, N, BLOCK_R)
-        g = _lora_out(row + hg, W2 + (3 * C + c).to(tl.int64) * ldw2, Rg, N, BLOCK_R)
+        wl = _lora_out(HW + b * ldp, W2 + c.to(tl.int64) * ldw2, Rw, N, BLOCK_R)
+        al = _lora_out(HA + b * ldp, W2 + (C + c).to(tl.int64) * ldw2, Ra, N, BLOCK_R)
+        vl = _lora_out(HV + b * ldp, W2 + (2 * C + c).to(tl.int64) * ldw2, Rv, N, BLOCK_R)
+        g = _lora_out(HG + b * ldp, W2 + (3 * C + c).to(tl.int64) * ldw2, Rg, N, BLOCK_R)
     else:
-        lrow = Lo + b * ldl
-        wl = tl.load(lrow + c).to(tl.float32)
-        al = tl.load(lrow + gsl + c).to(tl.float32)
-        vl = tl.load(lrow + 2 * gsl + c).to(tl.float32)
-        g = tl.load(lrow + 3 * gsl + c).to(tl.float32)
+        wl = tl.load(WL + b * ldl + c).to(tl.float32)
+        al = tl.load(AL + b * ldl + c).to(tl.float32)
+        vl = tl.load(VL + b * ldl + c).to(tl.float32)
+        g = tl.load(G_ + b * ldl + c).to(tl.float32)
     decay = tl.exp(-0.606531 * tl.sigmoid(tl.load(prm + c) + wl))
     a = tl.sigmoid(tl.load(prm + C + c) + al)
     kk = k * tl.load(prm + 3 * C + c)
@@ -354,7 +376,7 @@ def _wkv_decode_kernel(
 
 @triton.jit(do_not_specialize=["H"])
 def _wkv_prepare_kernel(
-    Rr, Kk, Vv, Wl, Al, Vl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
+    Rr, Kk, Vv, ldp, Wl, Al, Vl, ldl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
     N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -363,11 +385,11 @@ def _wkv_prepare_kernel(
     c = hh * N + i
     mask = hh < H
     off = t * C + c
-    r = tl.load(Rr + off, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(Kk + off, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(Vv + off, mask=mask, other=0.0).to(tl.float32)
-    wl = tl.load(Wl + off, mask=mask, other=0.0).to(tl.float32)
-    al = tl.load(Al + off, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(Rr + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
+    k = tl.load(Kk + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(Vv + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
+    wl = tl.load(Wl + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
+    al = tl.load(Al + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
     w_log = -0.606531 * tl.sigmoid(tl.load(prm + c, mask=mask, other=0.0) + wl)
     a = tl.sigmoid(tl.load(prm + C + c, mask=mask, other=0.0) + al)
     kk = k * tl.load(prm + 3 * C + c, mask=mask, other=0.0)
@@ -376,7 +398,7 @@ def _wkv_prepare_kernel(
     if FIRST:
         tl.store(VF + off, v.to(VF.dtype.element_ty), mask=mask)
     else:
-        vl = tl.load(Vl + off, mask=mask, other=0.0).to(tl.float32)
+        vl = tl.load(Vl + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
         vf = tl.load(VF + off, mask=mask, other=0.0).to(tl.float32)
         v = v + (vf - v) * tl.sigmoid(tl.load(prm + 2 * C + c, mask=mask, other=0.0) + vl)
     tl.store(w_out + off, w_log.to(w_out.dtype.element_ty), mask=mask)
@@ -389,7 +411,7 @@ def _wkv_prepare_kernel(
 
 
 @triton.jit(do_not_specialize=["H"])
-def _wkv_finish_kernel(O, V2, G, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr):
+def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, N)[None, :]
@@ -404,17 +426,20 @@ def _wkv_finish_kernel(O, V2, G, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, B
     o += tl.load(prm + 7 * C + c, mask=mask, other=0.0)
     bo = tl.load(bonus + t * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H, other=0.0)
     o += bo[:, None] * tl.load(V2 + off, mask=mask, other=0.0).to(tl.float32)
-    o *= tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+    o *= tl.load(G + t * ldg + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + off, o.to(Y.dtype.element_ty), mask=mask)
 
 
 def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype: torch.dtype):
-    """-> (w_log fp32, k', v', a, b in kv_dtype, bonus [T, H] fp32), all [T, C] but bonus."""
+    """-> (w_log fp32, k', v', a, b in kv_dtype, bonus [T, H] fp32), all [T, C] but bonus.
+
+    r, k, v share one row stride, wl, al, vl another (views into wider buffers are fine).
+    """
     T, C = r.shape
     N = C // H
     outs = [torch.empty(T, C, device=r.device, dtype=dt) for dt in (torch.float32,) + (kv_dtype,) * 4]
     bonus = torch.empty(T, H, device=r.device, dtype=torch.float32)
-    _wkv_prepare_kernel[(T,)](r, k, v, wl, al, vl, v_first, prm, *outs, bonus, H, C,
+    _wkv_prepare_kernel[(T,)](r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, *outs, bonus, H, C,
                               N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C))
     return (*outs, bonus)
 
@@ -422,7 +447,7 @@ def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype
 def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Tensor:
     T, C = v2.shape
     y = torch.empty(T, C, device=v2.device, dtype=out_dtype)
-    _wkv_finish_kernel[(T,)](o, v2, g, bonus, prm, y, H, C, GN_EPS, N=C // H, BLOCK_H=_pow2(H),
+    _wkv_finish_kernel[(T,)](o, v2, g, g.stride(0), bonus, prm, y, H, C, GN_EPS, N=C // H, BLOCK_H=_pow2(H),
                              num_warps=_warps(C))
     return y
 
@@ -435,7 +460,7 @@ def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Te
 
 
 @triton.jit(do_not_specialize=["H"])
-def _wkv_recurrent_kernel(Rr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr):
+def _wkv_recurrent_kernel(Rr, ldr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -448,7 +473,7 @@ def _wkv_recurrent_kernel(Rr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.conste
     st = tl.load(s_ptrs)
     for n in tl.range(0, length):
         off = (start + n) * C + h * N
-        r = tl.load(Rr + off + j).to(tl.float32)
+        r = tl.load(Rr + (start + n) * ldr + h * N + j).to(tl.float32)
         w = tl.exp(tl.load(Wl + off + j).to(tl.float32))
         k = tl.load(Kk + off + j).to(tl.float32)
         a = tl.load(Aa + off + j).to(tl.float32)
@@ -461,33 +486,37 @@ def _wkv_recurrent_kernel(Rr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.conste
 
 
 def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Advances state [S, H, N, N] at the rows' slots; rows [n_rows, 3] int (slot, start, length)."""
+    """Advances state [S, H, N, N] at the rows' slots; rows [n_rows, 3] int (slot, start, length).
+
+    All inputs [T, C]; only r may be a view with a wider row stride.
+    """
     T, C = r.shape
     H, N = state.shape[1], state.shape[2]
     o = torch.empty(T, C, device=r.device, dtype=torch.float32)
     bv = min(N, 16)
-    _wkv_recurrent_kernel[(n_rows, H, N // bv)](r, w_log, k, v, a, b, o, state, rows, H, C, N=N, BV=bv,
+    _wkv_recurrent_kernel[(n_rows, H, N // bv)](r, r.stride(0), w_log, k, v, a, b, o, state, rows, H, C, N=N, BV=bv,
                                                 num_warps=2)
     return o
 
 
 def wkv_decode(
-    p: torch.Tensor, p_strides: tuple[int, int], lora: torch.Tensor | None, lora_strides: tuple[int, int],
-    w2: torch.Tensor, hidden_cols: tuple[int, ...], ranks: tuple[int, ...], v_first: torch.Tensor,
-    prm: torch.Tensor, state: torch.Tensor, idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
+    rkv: tuple[torch.Tensor, ...], lora: tuple[torch.Tensor, ...] | None, hidden: tuple[torch.Tensor, ...] | None,
+    w2: torch.Tensor, ranks: tuple[int, ...], v_first: torch.Tensor, prm: torch.Tensor, state: torch.Tensor,
+    idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """One token per row: y [B, C]; the rows' slots of state [S, H, N, N] advance in place.
 
-    p holds row b's r, k, v at p[b·ld + j·gs + c] for (ld, gs) = p_strides (j = 0, 1, 2); lora
-    holds wl, al, vl, g likewise, or is None: then p also holds the activated LoRA hiddens at
-    hidden_cols and the second stages (w2 [4C, ≥R]) run here.
+    rkv: r, k, v [B, C] with one row stride; lora: wl, al, vl, g [B, C] with one row stride, or
+    None: then `hidden` holds the activated LoRA hiddens (with rkv's row stride) and the second
+    stages (w2 [4C, ≥R]) run here.
     """
     B = idx.shape[0]
     C = v_first.shape[1]
-    lo = lora if lora is not None else p
-    y = torch.empty(B, C, device=p.device, dtype=out_dtype)
+    y = torch.empty(B, C, device=v_first.device, dtype=out_dtype)
+    lo = lora if lora is not None else rkv + rkv[:1]
+    hid = hidden if hidden is not None else rkv + rkv[:1]
     _wkv_decode_kernel[(B * H,)](
-        p, *p_strides, lo, *lora_strides, w2, w2.stride(0), *hidden_cols, *ranks, v_first, prm, state, idx,
+        *rkv, rkv[0].stride(0), *lo, lo[0].stride(0), *hid, w2, w2.stride(0), *ranks, v_first, prm, state, idx,
         y, H, C, GN_EPS, N=C // H, BLOCK_R=32, FIRST=first, FUSED_LORA=lora is None, num_warps=4,
     )
     return y

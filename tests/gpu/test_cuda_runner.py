@@ -57,7 +57,8 @@ def pair(request):
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
 
     model = bf16_rounded(init_random(RWKV7(SHAPES[request.param]), seed=3)).to(DEVICE).eval()
-    return CudaRunner(model, max_slots=8, dtype=DTYPE, prefill_wkv="recurrent"), ModelRunner(model, max_slots=8)
+    runner = CudaRunner(model, max_slots=8, dtype=DTYPE, prefill_wkv="recurrent", auto_path=False)
+    return runner, ModelRunner(model, max_slots=8)
 
 
 def tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -79,17 +80,20 @@ def assert_states_close(runner, ref, slots) -> None:
             assert rel_err(a, b) <= STATE_TOLERANCE, f"slot {slot} {name}"
 
 
-@pytest.mark.parametrize("wkv", ["recurrent", "chunked"])
+@pytest.mark.parametrize("wkv", ["recurrent", "chunked", "short"])
 def test_prefill_ragged_rows(pair, wkv):
+    """recurrent and chunked: cuBLAS products over 208 tokens; short: 48 tokens, the gemv path."""
     runner, ref = pair
     if wkv == "chunked":
         if not CUDA:
             pytest.skip("fla-core runs on the GPU only")
         pytest.importorskip("fla")
-    runner.prefill_wkv = wkv
+    runner.prefill_wkv = wkv if wkv != "short" else "recurrent"
     slots = [5, 0, 3, 6]
     start_from_random_states(runner, ref, slots, seed=10)
-    chunks = [tokens(n, ref.vocab_size, 20 + n) for n in (1, 7, 70, 130)]
+    lengths = (1, 7, 70, 130) if wkv != "short" else (1, 7, 40)
+    slots = slots[:len(lengths)]
+    chunks = [tokens(n, ref.vocab_size, 20 + n) for n in lengths]
     ours = runner.prefill(slots, chunks)
     theirs = ref.prefill(slots, chunks)
     assert ours.shape == theirs.shape and ours.dtype == torch.float32
@@ -100,7 +104,7 @@ def test_prefill_ragged_rows(pair, wkv):
 
 @pytest.mark.parametrize("batch", [1, 3, 6, 8])
 def test_decode_steps(pair, batch):
-    """batch 1 and 3: LoRA fused into the core; 6: gemv LoRA; 8 with small_batch 4: cuBLAS."""
+    """batch 1 and 3: gemv path, LoRA fused into the core; 6: gemv LoRA; 8 with small_batch 4: cuBLAS."""
     runner, ref = pair
     runner.small_batch = 4 if batch == 8 else 16
     slots = list(range(8))[::-1][:batch]

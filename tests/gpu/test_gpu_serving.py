@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replicas.engine import Delta, Engine, EngineConfig, Request
-from replicas.model.loader import open_model
+from replicas.model.loader import default_model_dir, open_model
 from replicas.sampling import Sampler, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,9 +30,16 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def cpu_greedy(demo_model_dir):
+def model_dir(random_model_dir):
+    """The demo model once it is complete (it may be mid-training), else the random one."""
+    demo = default_model_dir()
+    return demo if (demo / "config.json").is_file() and (demo / "model.safetensors").is_file() else random_model_dir
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy(model_dir):
     """Each prompt's first 32 greedy tokens on the CPU path (fp32), one prompt at a time."""
-    runner, tokenizer, _ = open_model(demo_model_dir, max_slots=1, device="cpu")
+    runner, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
     out = []
     for prompt in PROMPTS:
         runner.reset(0)
@@ -45,10 +52,10 @@ def cpu_greedy(demo_model_dir):
     return tokenizer, out
 
 
-def test_greedy_text_matches_the_cpu_path_batched(demo_model_dir, cpu_greedy):
+def test_greedy_text_matches_the_cpu_path_batched(model_dir, cpu_greedy):
     """All prompts in one prefill call (ragged rows) and one decode batch per step."""
     tokenizer, expected = cpu_greedy
-    runner, _, _ = open_model(demo_model_dir, max_slots=len(PROMPTS), device="cuda")
+    runner, _, _ = open_model(model_dir, max_slots=len(PROMPTS), device="cuda")
     slots = list(range(len(PROMPTS)))[::-1]
     logits = runner.prefill(slots, [tokenizer.encode(p) for p in PROMPTS])
     got = [[] for _ in PROMPTS]
@@ -61,9 +68,9 @@ def test_greedy_text_matches_the_cpu_path_batched(demo_model_dir, cpu_greedy):
         assert ours == theirs, f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(theirs)!r}"
 
 
-def test_engine_on_the_gpu_gives_the_cpu_greedy_text(demo_model_dir, cpu_greedy):
+def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy):
     tokenizer, expected = cpu_greedy
-    runner, _, _ = open_model(demo_model_dir, max_slots=4, device="cuda")
+    runner, _, _ = open_model(model_dir, max_slots=4, device="cuda")
     engine = Engine(runner, tokenizer, EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40)).start()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
