@@ -124,9 +124,14 @@ def reference_single_stream(pth: Path, new_tokens: int) -> float:
     model = RWKV(str(pth.with_suffix("")), "cpu fp32")
     logits, state = model.forward([1, 2, 3, 4], None)
     token = int(logits.argmax())
-    for _ in range(8):  # TorchScript optimises its graphs over the first calls
+    # TorchScript profiles its graphs for a dozen calls or so before it optimises them: warm up
+    # until three calls in a row take about the same time.
+    times: list[float] = []
+    while len(times) < 64 and not (len(times) >= 16 and max(times[-3:]) < 1.2 * min(times[-3:])):
+        begin = time.perf_counter()
         logits, state = model.forward([token], state)
         token = int(logits.argmax())
+        times.append(time.perf_counter() - begin)
     start = time.perf_counter()
     for _ in range(new_tokens):
         logits, state = model.forward([token], state)

@@ -41,8 +41,14 @@ class ModelRunner:
         self._check_rows(rows, len(chunks))
         flat = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
         layout = Rows([len(chunk) for chunk in chunks], device=self.device)
-        logits, new = self.model(flat, layout, self.states.take(rows), wkv=self.wkv)
-        self.states.put(rows, new)
+        first = rows[0]
+        if list(rows) == list(range(first, first + len(rows))):  # a run of slots: update them in place
+            view = RNNState(*(t[:, first : first + len(rows)] for t in self.states.tensors()))
+            logits, _ = self.model(flat, layout, view, wkv=self.wkv, out=view)
+            return logits
+        state = self.states.take(rows)
+        logits, _ = self.model(flat, layout, state, wkv=self.wkv, out=state)
+        self.states.put(rows, state)
         return logits
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:

@@ -201,34 +201,37 @@ class RWKV7(nn.Module):
         state: RNNState,
         wkv: WkvFn = wkv_reference,
         last_only: bool = True,
+        out: RNNState | None = None,
     ) -> tuple[Tensor, RNNState]:
         """Advances each row of `state` by its tokens.
 
         tokens [T] (flat, row-major as `rows` says); state holds one row per row of `rows`.
         Returns fp32 logits ([B, V] for each row's last token if last_only, else [T, V]) and the
-        rows' new state (new tensors; `state` is left as it was).
+        rows' new state: written into `out` when given (which may be `state` itself: each layer's
+        state is read before it is written), else new tensors with `state` left as it was.
         """
         x = self.blocks[0].ln0(self.emb(tokens))
         v_first = None
-        att_shifts, ffn_shifts, wkvs = [], [], []
+        layers = []
         for i, block in enumerate(self.blocks):
             h = block.ln1(x)
-            out, v_first, wkv_state = block.att(h, state.att_shift[i], v_first, state.wkv[i], rows, wkv)
-            att_shifts.append(h[rows.lasts])
-            wkvs.append(wkv_state)
-            x = x + out
+            mixed, v_first, wkv_state = block.att(h, state.att_shift[i], v_first, state.wkv[i], rows, wkv)
+            att_shift = h[rows.lasts]
+            x = x + mixed
             h = block.ln2(x)
             x = x + block.ffn(h, state.ffn_shift[i], rows)
-            ffn_shifts.append(h[rows.lasts])
+            layer = (att_shift, h[rows.lasts], wkv_state)
+            if out is None:
+                layers.append(layer)
+            else:
+                for mine, new in zip((out.att_shift[i], out.ffn_shift[i], out.wkv[i]), layer, strict=True):
+                    mine.copy_(new)
         if last_only:
             x = x[rows.lasts]
         logits = self.head(self.ln_out(x)).float()
-        new_state = RNNState(
-            att_shift=torch.stack(att_shifts).float(),
-            ffn_shift=torch.stack(ffn_shifts).float(),
-            wkv=torch.stack(wkvs).float(),
-        )
-        return logits, new_state
+        if out is None:
+            out = RNNState(*(torch.stack(parts).float() for parts in zip(*layers, strict=True)))
+        return logits, out
 
     def forward_batch(self, tokens: Tensor, wkv: WkvFn = wkv_reference) -> Tensor:
         """Training form: tokens [B, T] from a zero state -> logits [B, T, V] at every position."""
