@@ -144,7 +144,7 @@ class Replica:
 
     async def check_health(self) -> None:
         """Serve's health check: the engine thread must be turning."""
-        await asyncio.to_thread(self.engine.call, lambda: None, HEALTH_TIMEOUT_S)
+        await asyncio.to_thread(self.engine.ping, HEALTH_TIMEOUT_S)
 
     def __del__(self) -> None:
         """Serve calls it when the replica stops (after draining); so does Python's collector."""

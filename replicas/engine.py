@@ -124,6 +124,7 @@ class RequestStream:
     """One request's events, for the asyncio caller that submitted it.
 
     Iterate it until `Finished`; `cancel()` (or leaving `Engine.generate`) ends the row.
+    Cancelling a pending `__anext__` (a timeout around it) loses no event: it waits on a queue.
     """
 
     def __init__(self, engine: Engine, uid: int, loop: asyncio.AbstractEventLoop):
@@ -247,6 +248,10 @@ class Engine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("call", fn, future))
         return future.result(timeout)
+
+    def ping(self, timeout: float) -> None:
+        """Returns once the engine thread has turned between two steps; raises TimeoutError if not."""
+        self.call(lambda: None, timeout)
 
     def resolve_init_state(self, name: str | None) -> InitState | None:
         states = self.init_states
