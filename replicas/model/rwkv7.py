@@ -89,13 +89,18 @@ def _wkv_reference_fp32(state, r, w_log, k, v, a, b, rows: Rows) -> tuple[Tensor
 def _wkv_step(S: Tensor, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """One token for every row: S [n,H,N,N]; r, w, k, v, a, b [n,H,N].
 
-    S·diag(w) + (S·a) bᵀ + v kᵀ, the two rank-one terms as one rank-two product (fewer passes
-    over the state, which at decode is as much memory as the weights).
+    S' = S·diag(w) + (S·a) bᵀ + v kᵀ and out = S'·r, arranged to pass over the state (at decode as
+    much memory as the weights) as few times as possible: out is taken from the old state,
+    out = S·(w⊙r) + (S·a)(b·r) + v (k·r), so one product gives both S·a and S·(w⊙r); the two
+    rank-one terms are one rank-two product.
     """
-    left = torch.stack([(S @ a[..., None])[..., 0], v], dim=-1)  # [n, H, N, 2]
+    both = S @ torch.stack([a, w * r], dim=-1)  # [n, H, N, 2]
+    sa, swr = both[..., 0], both[..., 1]
+    out = swr + sa * (b * r).sum(-1, keepdim=True) + v * (k * r).sum(-1, keepdim=True)
+    left = torch.stack([sa, v], dim=-1)  # [n, H, N, 2]
     right = torch.stack([b, k], dim=-2)  # [n, H, 2, N]
     S = torch.baddbmm((S * w[:, :, None, :]).flatten(0, 1), left.flatten(0, 1), right.flatten(0, 1)).view_as(S)
-    return (S @ r[..., None])[..., 0], S
+    return out, S
 
 
 def _wkv_uniform(S: Tensor, r, w, k, v, a, b, B: int) -> tuple[Tensor, Tensor]:
@@ -228,10 +233,19 @@ class RWKV7(nn.Module):
                     mine.copy_(new)
         if last_only:
             x = x[rows.lasts]
-        logits = self.head(self.ln_out(x)).float()
+        logits = self.logits(x)
         if out is None:
             out = RNNState(*(torch.stack(parts).float() for parts in zip(*layers, strict=True)))
         return logits, out
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Final norm and head: [n, C] -> fp32 [n, V]."""
+        h = self.ln_out(x)
+        if h.device.type == "cpu" and h.shape[0] > 1:
+            # On a CPU, MKL multiplies a 65k-row head by several rows 1.7× faster in slices that
+            # stay in cache (measured at 16 rows, 0.1B shape); each logit is the same dot product.
+            return torch.cat([F.linear(h, w) for w in self.head.weight.split(2048)], dim=1).float()
+        return self.head(h).float()
 
     def forward_batch(self, tokens: Tensor, wkv: WkvFn = wkv_reference) -> Tensor:
         """Training form: tokens [B, T] from a zero state -> logits [B, T, V] at every position."""
