@@ -1,0 +1,102 @@
+"""The `rwkv-fleet` command as a user runs it: a real process, real files.
+
+A user's mistake ends as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replicas.model.checkpoint import load_model, save_pth
+from replicas.model.config import ModelConfig
+from replicas.model.rwkv7 import RWKV7, init_random
+
+SMALL = ModelConfig(n_layer=2, n_embd=64, head_size=32, vocab_size=65536, ffn_dim=96,
+                    w_lora=8, a_lora=8, v_lora=4, g_lora=8)
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def refused(result: subprocess.CompletedProcess, words: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rwkv-fleet ") and "error:" in last and words in last, result.stderr
+
+
+@pytest.fixture(scope="module")
+def blinkdl_pth(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pth") / "RWKV-x070-test.pth"
+    save_pth(init_random(RWKV7(SMALL), seed=3, scale=6.0), path, torch.bfloat16)
+    return path
+
+
+def test_convert_then_generate(blinkdl_pth, tmp_path):
+    out = tmp_path / "model"
+    converted = cli("convert", str(blinkdl_pth), str(out))
+    assert converted.returncode == 0, converted.stderr
+    assert "2 layers, width 64, 2 heads of 32" in converted.stderr  # progress a user sees
+    model, card = load_model(out)
+    assert model.config == SMALL and card.tokenizer == "rwkv_vocab_v20230424.txt" and card.eos_token_id == 0
+    generated = cli("generate", "--model", str(out), "--max-tokens", "8", "--temperature", "0", "Hello")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip()
+    again = cli("generate", "--model", str(out), "--max-tokens", "8", "--temperature", "0", "Hello")
+    assert again.stdout == generated.stdout  # greedy is deterministic
+
+
+def test_generate_uses_the_demo_model_by_default():
+    result = cli("generate", "--max-tokens", "16", "--temperature", "0", "import os\n")
+    assert result.returncode == 0, result.stderr
+    assert "rwkv7-demo-pystdlib" in result.stderr
+
+
+def test_convert_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"this is not a checkpoint")
+    refused(cli("convert", str(junk), str(tmp_path / "out")), "not a PyTorch checkpoint")
+    refused(cli("convert", str(tmp_path / "missing.pth"), str(tmp_path / "out")), "no such file")
+
+
+def _tensors(pth: Path) -> dict:
+    return torch.load(pth, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda t: t.pop("blocks.1.att.key.weight"), "missing tensor 'blocks.1.att.key.weight'"),
+    (lambda t: t.__setitem__("blocks.0.ffn.value.weight", torch.zeros(64, 95)), "has shape [64, 95]"),
+    (lambda t: t.__setitem__("blocks.0.att.time_faaaa", torch.zeros(2, 32)), "RWKV-5"),
+    (lambda t: t.__setitem__("blocks.0.att.time_maa_x", torch.zeros(1, 1, 64)), "RWKV-6"),
+    (lambda t: t.__setitem__("blocks.0.ffn.s_emb.weight", torch.zeros(65536, 32)), "DeepEmbed"),
+    (lambda t: t.__setitem__("blocks.0.att.extra", torch.zeros(3)), "unexpected tensor"),
+    (lambda t: t.pop("emb.weight"), "not an RWKV checkpoint"),
+])
+def test_convert_refuses_damaged_checkpoints(blinkdl_pth, tmp_path, damage, words):
+    tensors = _tensors(blinkdl_pth)
+    damage(tensors)
+    bad = tmp_path / "bad.pth"
+    torch.save(tensors, bad)
+    refused(cli("convert", str(bad), str(tmp_path / "out")), words)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_convert_needs_a_tokenizer_for_another_vocabulary(tmp_path):
+    config = ModelConfig(1, 64, 64, 300, 64, 4, 4, 4, 4)
+    pth = tmp_path / "small-vocab.pth"
+    save_pth(init_random(RWKV7(config), seed=1), pth)
+    refused(cli("convert", str(pth), str(tmp_path / "out")), "--tokenizer")
+
+
+def test_generate_refuses_bad_input_in_one_line(tmp_path):
+    refused(cli("generate", "--model", str(tmp_path), "x"), "config.json")
+    refused(cli("generate", "--temperature", "9", "x"), "temperature")
+    usage = cli("generate", "--max-tokens", "many", "x")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
