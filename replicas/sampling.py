@@ -150,13 +150,12 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
         x = x.masked_fill(x < _cutoffs(x, k, [p.top_p for p in params]), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    cdf = probs.cumsum(-1)
-    target = torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=V - 1)[:, 0]
-    # a zero-probability token can be hit only at a float tie; step back to the last kept one
-    last_kept = V - 1 - (probs > 0).flip(-1).long().argmax(-1)
-    return torch.where(probs.gather(1, pick[:, None])[:, 0] > 0, pick, last_kept)
+    cdf = torch.softmax(x, dim=-1).cumsum_(-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so the first index whose CDF exceeds it exists and has mass
+    target = torch.minimum(torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def _cutoffs(x: Tensor, k: list[int], top_p: list[float], window: int = 256) -> Tensor:

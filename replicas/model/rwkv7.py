@@ -99,7 +99,8 @@ def _wkv_step(S: Tensor, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     out = swr + sa * (b * r).sum(-1, keepdim=True) + v * (k * r).sum(-1, keepdim=True)
     left = torch.stack([sa, v], dim=-1)  # [n, H, N, 2]
     right = torch.stack([b, k], dim=-2)  # [n, H, 2, N]
-    S = torch.baddbmm((S * w[:, :, None, :]).flatten(0, 1), left.flatten(0, 1), right.flatten(0, 1)).view_as(S)
+    S = S * w[:, :, None, :]  # a new tensor: adding into it in place is safe for autograd too
+    S.view(-1, *S.shape[-2:]).baddbmm_(left.flatten(0, 1), right.flatten(0, 1))
     return out, S
 
 
