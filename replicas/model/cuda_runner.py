@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels as K
+from .runner import SlotStates
 from .rwkv7 import RWKV7
 from .state import RNNState
 
@@ -85,7 +86,7 @@ def _buckets(max_rows: int) -> list[int]:
     return sizes + [b]
 
 
-class CudaRunner:
+class CudaRunner(SlotStates):
     """RWKV-7 on one CUDA device; prefill/decode/read_state/write_state/reset as runner.py says.
 
     dtype: weights and activations between kernels (bf16; fp16 works too); states stay fp32.
@@ -129,10 +130,6 @@ class CudaRunner:
         self._pool = None
         self.buckets = _buckets(max_slots)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
     # -- the contract ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -161,18 +158,6 @@ class CudaRunner:
         io.copy_(host, non_blocking=True)  # pinned: a true async copy (pageable memory may sync)
         graph.replay()
         return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
-
-    def read_state(self, slot: int) -> RNNState:
-        return self.states.take([slot])
-
-    def write_state(self, slot: int, state: RNNState) -> None:
-        if not state.fits(self.config) or state.rows != 1:
-            raise ValueError("state does not fit this model")
-        self.states.put([slot], state)
-
-    def reset(self, slot: int) -> None:
-        for tensor in self.states.tensors():
-            tensor[:, slot].zero_()
 
     def capture(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Captures the decode graphs of the buckets these batch sizes fall in (default: all)."""
@@ -466,12 +451,6 @@ class CudaRunner:
                 raise
             log.warning("fla-core is not installed: prefill runs the recurrent kernel (slower on long rows)")
             return "recurrent"
-
-    def _check_rows(self, rows: Sequence[int], n_chunks: int) -> None:
-        if len(rows) != n_chunks or len(set(rows)) != len(rows) or not rows:
-            raise ValueError(f"rows must be distinct, non-empty and match the inputs: {list(rows)}")
-        if any(not 0 <= r < self.max_slots for r in rows):
-            raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:

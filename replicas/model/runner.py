@@ -18,11 +18,44 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .config import ModelConfig
 from .rwkv7 import RWKV7, Rows, WkvFn, wkv_reference
 from .state import RNNState
 
 
-class ModelRunner:
+class SlotStates:
+    """What every runner does the same way with its slots' state rows (`self.states`, one row
+    per slot, possibly plus scratch rows past `max_slots`): copy a slot out and in, clear it, and
+    check the rows a call names."""
+
+    config: ModelConfig
+    max_slots: int
+    states: RNNState
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def read_state(self, slot: int) -> RNNState:
+        return self.states.take([slot])
+
+    def write_state(self, slot: int, state: RNNState) -> None:
+        if not state.fits(self.config) or state.rows != 1:
+            raise ValueError("state does not fit this model")
+        self.states.put([slot], state)
+
+    def reset(self, slot: int) -> None:
+        for tensor in self.states.tensors():
+            tensor[:, slot].zero_()
+
+    def _check_rows(self, rows: Sequence[int], n_inputs: int) -> None:
+        if len(rows) != n_inputs or len(set(rows)) != len(rows) or not rows:
+            raise ValueError(f"rows must be distinct, non-empty and match the inputs: {list(rows)}")
+        if any(not 0 <= r < self.max_slots for r in rows):
+            raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")
+
+
+class ModelRunner(SlotStates):
     def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn = wkv_reference):
         self.model = model
         self.config = model.config
@@ -30,10 +63,6 @@ class ModelRunner:
         self.max_slots = max_slots
         self.wkv = wkv
         self.states = RNNState.zeros(self.config, max_slots, self.device)  # the slot table's rows
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @torch.no_grad()
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
@@ -54,21 +83,3 @@ class ModelRunner:
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
         """Advances each row by one token."""
         return self.prefill(rows, [[t] for t in tokens])
-
-    def read_state(self, slot: int) -> RNNState:
-        return self.states.take([slot])
-
-    def write_state(self, slot: int, state: RNNState) -> None:
-        if not state.fits(self.config) or state.rows != 1:
-            raise ValueError("state does not fit this model")
-        self.states.put([slot], state)
-
-    def reset(self, slot: int) -> None:
-        for tensor in self.states.tensors():
-            tensor[:, slot].zero_()
-
-    def _check_rows(self, rows: Sequence[int], n_chunks: int) -> None:
-        if len(rows) != n_chunks or len(set(rows)) != len(rows):
-            raise ValueError(f"rows must be distinct and match the chunks: {list(rows)}")
-        if any(not 0 <= r < self.max_slots for r in rows):
-            raise ValueError(f"row out of range 0..{self.max_slots - 1}: {list(rows)}")
