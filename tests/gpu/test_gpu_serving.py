@@ -14,18 +14,11 @@ import torch
 from replicas.engine import Delta, Engine, EngineConfig, Request
 from replicas.model.loader import default_model_dir, open_model
 from replicas.sampling import Sampler, SamplingParams
+from tests.prompts import PYTHON_PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Parser:\n    \"\"\"Parse a configuration file.\"\"\"\n\n    def __init__(self, path):\n",
-    "    for i in range(len(items)):\n        if items[i] is None:\n",
-    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
-    "# Copyright notice\n\"\"\"Utilities for working with temporary files.\"\"\"\n\nimport ",
-    "        except KeyError:\n            raise ValueError('unknown key: %r' % (key,))\n",
-    "User: What is the capital of France?\n\nAssistant:",
-]
+PROMPTS = [*PYTHON_PROMPTS, "User: What is the capital of France?\n\nAssistant:"]
 NEW_TOKENS = 32
 
 

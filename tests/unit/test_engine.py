@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from replicas.init_states import InitState, InitStateError
 from replicas.model.loader import open_model
 from replicas.model.state import RNNState
 from replicas.sampling import InvalidRequest, SamplingParams
+from tests.prompts import PYTHON_PROMPTS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -75,20 +77,11 @@ def settle(engine: Engine) -> dict:
             engine.check_integrity()
             assert stats["slots"]["idle"] == stats["slots"]["capacity"]
             return stats
-        import time
-
         time.sleep(0.02)
     raise AssertionError(f"engine did not settle: {stats}")
 
 
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Parser:\n    \"\"\"Parse a configuration file.\"\"\"\n\n    def __init__(self, path):\n",
-    "    for i in range(len(items)):\n        if items[i] is None:\n",
-    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
-    "# Copyright notice\n\"\"\"Utilities for working with temporary files.\"\"\"\n\nimport ",
-    "        except KeyError:\n            raise ValueError('unknown key: %r' % (key,))\n",
-]
+PROMPTS = PYTHON_PROMPTS
 
 
 @pytest.fixture(scope="module")
