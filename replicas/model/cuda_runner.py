@@ -7,12 +7,14 @@ sampling (the engine samples the logits where they are, on the GPU).
 Decode (`decode`): one token per row, run as a CUDA graph captured per batch-size bucket
 (1, 2, 4, …) and replayed with the rows' tokens and slots copied into its static input; rows that
 pad a bucket run on the scratch slot. Per layer:
-    small batches (≤ small_batch rows): 7 kernels — LayerNorm + token shift + six mixes; r, k, v
-      and the four LoRA first stages (activated) as one grouped gemv; the time-mix core (LoRA second
-      stages, decay, kk, a, state update in place at the slots, GroupNorm, bonus, gate); output
-      projection added into the fp32 residual (split-K atomics); LayerNorm + shift for the channel
-      mix; key with relu² fused; value added into the residual. All products read the weights once.
-    larger batches: cuBLAS products (bound by matrix throughput there) and the same fused kernels.
+    small batches (≤ small_batch rows): 8 kernels — LayerNorm + token shift + six mixes; r, k, v
+      and the four LoRA first stages (activated) as one grouped gemv; the LoRA second stages as
+      another; the time-mix core (decay, kk, a, state update in place at the slots, GroupNorm,
+      bonus, gate); output projection added into the fp32 residual (split-K atomics); LayerNorm +
+      shift for the channel mix; key with relu² fused; value added into the residual. All products
+      read the weights once: one or two rows on the FMA units, more on the tensor cores.
+    larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
+      products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
 recurrence in the chunked parallel form (fla-core's chunk_rwkv7 with cu_seqlens) or, without
 fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
@@ -29,6 +31,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,26 +44,30 @@ from .state import RNNState
 log = logging.getLogger(__name__)
 
 LORA_ALIGN = 64  # LoRA widths are padded to this in the packed weights (gemv blocks never straddle)
+LORAS = ("v", "w", "a", "g")  # the mixed buffer's order of their inputs (columns 2C..6C: xv, xw, xa, xg)
 AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
+PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 
 
 @dataclass
 class _Layer:
-    """One block's weights, packed for the kernels (C = n_embd, Rp = padded LoRA widths)."""
+    """One block's weights, packed for the kernels (C = n_embd; the four LoRAs in LORAS order, each
+    R of them padded to Rmax, the largest LoRA width rounded up to LORA_ALIGN)."""
 
     ln1: tuple[Tensor, Tensor]  # fp32 [C] weight, bias
     ln2: tuple[Tensor, Tensor]
     mix_att: Tensor  # [6, C] fp32: x_r, x_k, x_v, x_w, x_a, x_g (the mixed buffer's group order)
     mix_ffn: Tensor  # [1, C] fp32
     prm: Tensor  # [8, C] fp32: w0, a0, v0, k_k, k_a, r_k, ln_x.weight, ln_x.bias
-    w_in: Tensor  # [3C + ΣRp, C]: receptance, key, value, then w1ᵀ a1ᵀ v1ᵀ g1ᵀ (zero-padded rows)
-    w2: Tensor  # [4C, max Rp]: w2ᵀ, a2ᵀ, v2ᵀ, g2ᵀ (zero-padded columns)
+    w_in: Tensor  # [3C + 4·Rmax, C]: receptance, key, value, then the LoRAs' first stages (zero rows pad)
+    w2: Tensor  # [4C, Rmax]: the LoRAs' second stages, transposed (zero columns pad)
+    w_rkv_t: Tensor  # [3, C, C] view of w_in: receptance, key, value, transposed (one batched product)
+    w1_t: Tensor  # [4, C, Rmax] view of w_in: the first stages, transposed
+    w2_t: Tensor  # [4, Rmax, C] view of w2
     wo: Tensor  # [C, C]
     wfk: Tensor  # [F, C]
     wfv: Tensor  # [C, F]
-    lora1: tuple[Tensor, ...]  # views of w_in: [R, C] for w, a, v, g
-    lora2: tuple[Tensor, ...]  # views of w2: [C, R] for w, a, v, g
 
 
 @dataclass
@@ -94,14 +101,12 @@ class CudaRunner(SlotStates):
     small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS
       (when auto_path is off; auto_path, the default with graphs, times both graphs of each
       bucket up to AUTO_PATH_MAX rows once and keeps the faster).
-    fuse_lora: decode batches up to this many rows compute the LoRA second stages inside the
-      time-mix kernel (one launch less; each row re-reads those small weights from L2).
     prefill_wkv: "chunked" (fla-core), "recurrent" (Triton), or "auto" (chunked where fla imports).
     """
 
     def __init__(
         self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.bfloat16, graphs: bool | None = None,
-        small_batch: int = 16, fuse_lora: int = 4, prefill_wkv: str = "auto", auto_path: bool | None = None,
+        small_batch: int = 16, prefill_wkv: str = "auto", auto_path: bool | None = None,
     ):
         self.config = cfg = model.config
         self.device = next(model.parameters()).device
@@ -110,13 +115,13 @@ class CudaRunner(SlotStates):
         self.dtype = dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.small_batch = small_batch
-        self.fuse_lora = fuse_lora
         self.auto_path = self.graphs if auto_path is None else auto_path
         self.path_choice: dict[int, bool] = {}  # bucket -> gemv path (True) or cuBLAS (False)
         self.C, self.H, self.N, self.F = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.ffn_dim
-        self.ranks = (cfg.w_lora, cfg.a_lora, cfg.v_lora, cfg.g_lora)
+        self.ranks = tuple(getattr(cfg, f"{n}_lora") for n in LORAS)
         self.padded = tuple(-(-r // LORA_ALIGN) * LORA_ALIGN for r in self.ranks)
-        self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))
+        self.rmax = max(self.padded)
+        self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
@@ -129,6 +134,7 @@ class CudaRunner(SlotStates):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool = None
         self.buckets = _buckets(max_slots)
+        self.fla_state_bv: int | None = None  # value block of fla's state pass (None: by occupancy)
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -170,7 +176,7 @@ class CudaRunner(SlotStates):
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         """The decode graph of a bucket, captured on first use along the path chosen for it."""
         small = self._small_path(bucket)
-        key = (bucket, small, bucket <= self.fuse_lora)
+        key = (bucket, small)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, small)
         return self._graphs[key]
@@ -184,10 +190,12 @@ class CudaRunner(SlotStates):
         if bucket not in self.path_choice:
             times = {}
             for small in (True, False):
-                key = (bucket, small, bucket <= self.fuse_lora)
+                key = (bucket, small)
                 self._graphs[key] = self._capture(bucket, small)
                 times[small] = _replay_ms(self._graphs[key][0])
-            self.path_choice[bucket] = min(times, key=times.get)
+            # the gemv path keeps activations fp32 (greedy text as on the CPU): it is kept unless
+            # cuBLAS is clearly faster
+            self.path_choice[bucket] = times[True] <= PATH_MARGIN * times[False]
             log.info("decode bucket %d: gemv %.3f ms, cuBLAS %.3f ms", bucket, times[True], times[False])
         return self.path_choice[bucket]
 
@@ -226,23 +234,19 @@ class CudaRunner(SlotStates):
                 proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, B, table=self.table_in, n_sm=self.n_sm)
                 rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
-                hidden = tuple(proj[:, c:c + r] for c, r in zip(self.hidden_cols, self.padded, strict=True))
-                lora = None
-                if B > self.fuse_lora:
-                    out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
-                    K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
-                    lora = tuple(out[:, g * C:(g + 1) * C] for g in range(4))
-                y = K.wkv_decode(rkv, lora, hidden, lw.w2, self.ranks, v_first, lw.prm, st.wkv[i], idx, self.H,
-                                 i == 0, torch.float32)
+                out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
+                K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
+                lora = _wavg(out.view(B, 4, C).unbind(1))
+                y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
                 kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
                 K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
                 K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
             else:
-                rkv, lora = self._projections(lw, mixed, B, first=i == 0)
-                y = K.wkv_decode(tuple(rkv), tuple(lora), None, lw.w2, self.ranks, v_first, lw.prm, st.wkv[i], idx,
-                                 self.H, i == 0, self.dtype)
+                rkv, lora = self._projections(lw, mixed, B)
+                y = K.wkv_decode(tuple(rkv), lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0,
+                                 self.dtype)
                 dx = torch.mm(y, lw.wo.t())
                 kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
                 dx = self._ffn(lw, kin)
@@ -254,23 +258,17 @@ class CudaRunner(SlotStates):
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
 
-    def _projections(self, lw: _Layer, mixed: Tensor, T: int, first: bool) -> tuple[Tensor, Tensor]:
-        """r, k, v -> [3, T, C]; LoRA outputs wl, al, vl, g -> [4, T, C] (vl unset on layer 0)."""
-        C, dt = self.C, self.dtype
-        rkv = torch.empty(3, T, C, device=self.device, dtype=dt)
-        for j in range(3):
-            torch.mm(mixed[:, j * C:(j + 1) * C], lw.w_in[j * C:(j + 1) * C].t(), out=rkv[j])
-        lora = torch.empty(4, T, C, device=self.device, dtype=dt)
-        for g, col in enumerate((3 * C, 4 * C, 2 * C, 5 * C)):  # inputs xw, xa, xv, xg
-            if g == 2 and first:
-                continue  # layer 0 makes v_first; its v LoRA is unused
-            hidden = torch.mm(mixed[:, col:col + C], lw.lora1[g].t())
-            if g == 0:
-                hidden.tanh_()
-            elif g == 3:
-                hidden.sigmoid_()
-            torch.mm(hidden, lw.lora2[g].t(), out=lora[g])
-        return rkv, lora
+    def _projections(self, lw: _Layer, mixed: Tensor, T: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
+        [T, C] views, from two batched products over the four LoRAs padded to one width (three
+        launches and two activations where eight products of their own widths took ten: 1.14x
+        at 256 decode rows of the 1.5B shape, the same prefill rate)."""
+        C = self.C
+        rkv = torch.bmm(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t)
+        hidden = torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t)  # from xv, xw, xa, xg
+        hidden[1].tanh_()
+        hidden[3].sigmoid_()
+        return rkv, _wavg(torch.bmm(hidden, lw.w2_t).unbind(0))
 
     def _ffn(self, lw: _Layer, kin: Tensor) -> Tensor:
         k = K.relu2_(torch.mm(kin, lw.wfk.t()))
@@ -279,37 +277,33 @@ class CudaRunner(SlotStates):
     # -- prefill -------------------------------------------------------------------------------
 
     def _batch(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> _Batch:
-        lengths = [len(c) for c in chunks]
-        R, T = len(rows), sum(lengths)
-        starts = [0] * R
-        for r in range(1, R):
-            starts[r] = starts[r - 1] + lengths[r - 1]
-        lasts = [s + n - 1 for s, n in zip(starts, lengths, strict=True)]
-        tok_slot, tok_row = [-1] * T, [-1] * T
-        for r in range(R):
-            tok_slot[starts[r]] = rows[r]
-            tok_row[lasts[r]] = r
-        cu = [0] + [s + n for s, n in zip(starts, lengths, strict=True)]
-        fields = [
-            [t for c in chunks for t in c], tok_slot, tok_row, lasts, list(rows),
-            [v for r in range(R) for v in (rows[r], starts[r], lengths[r])], cu,
-        ]
-        chunk_idx = None
-        if self.prefill_wkv == "chunked" and len(fields[0]) > EXACT_PREFILL:
-            chunk_idx = [v for r in range(R) for c in range(-(-lengths[r] // 64)) for v in (r, c)]
-            fields.append(chunk_idx)
-        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        """The call's index tensors, built with tensor ops on the host (a Python loop over 16k
+        tokens costs milliseconds) and sent in one pinned asynchronous copy."""
+        R = len(rows)
+        lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
+        cu = F.pad(lengths.cumsum(0), (1, 0))
+        starts, lasts, T = cu[:-1], cu[1:] - 1, int(cu[-1])
+        slots = torch.tensor(rows, dtype=torch.int64)
+        tok_slot = torch.full((T,), -1, dtype=torch.int64).index_copy_(0, starts, slots)
+        tok_row = torch.full((T,), -1, dtype=torch.int64).index_copy_(0, lasts, torch.arange(R))
+        tokens = torch.from_numpy(np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks]))  # numpy: 5x faster
+        fields = [tokens, tok_slot, tok_row, lasts,
+                  slots, torch.stack([slots, starts, lengths], 1).view(-1), cu]
+        chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
+        if chunked:  # fla's chunk index: (row, chunk within the row) for every chunk of FLA_CHUNK tokens
+            n_chunks = (lengths + FLA_CHUNK - 1) // FLA_CHUNK
+            row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
+            first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
+            fields.append(torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1).view(-1))
+        host = torch.cat(fields)
         if self.device.type == "cuda":
             host = host.pin_memory()  # pinned: a true async copy (from pageable memory it may sync)
         dev = host.to(self.device, non_blocking=True)
-        views, at = [], 0
-        for f in fields:
-            views.append(dev[at:at + len(f)])
-            at += len(f)
+        views = dev.split([f.shape[0] for f in fields])
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], lasts=views[3], slots=views[4],
-            rows=views[5].view(R, 3), cu_seqlens=views[6], cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
-            chunk_indices=views[7].view(-1, 2) if chunk_idx is not None else None,
+            rows=views[5].view(R, 3), cu_seqlens=views[6], cu_seqlens_cpu=cu,
+            chunk_indices=views[7].view(-1, 2) if chunked else None,
         )
 
     def _prefill_body(self, batch: _Batch) -> Tensor:
@@ -337,9 +331,9 @@ class CudaRunner(SlotStates):
                 lora_out = torch.empty(T, 4 * C, device=dev, dtype=torch.float32)
                 K.gemv(proj, lw.w2, lora_out, T, table=self.table_lora2, n_sm=self.n_sm)
                 rkv = [proj[:, j * C:(j + 1) * C] for j in range(3)]
-                lora = [lora_out[:, g * C:(g + 1) * C] for g in range(4)]
+                lora = _wavg(lora_out.view(T, 4, C).unbind(1))
             else:
-                rkv, lora = self._projections(lw, mixed, T, first=i == 0)
+                rkv, lora = self._projections(lw, mixed, T)
             w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
                                                      lw.prm, H, i == 0, kv_dtype)
             o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
@@ -375,7 +369,7 @@ class CudaRunner(SlotStates):
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
         T, H, N = r.shape[0], self.H, self.N
         s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
-        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch)
+        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch, self.fla_state_bv)
         state.index_copy_(0, batch.slots, s1.transpose(-1, -2))
         return o.view(T, self.C)
 
@@ -395,16 +389,15 @@ class CudaRunner(SlotStates):
         self.ln0 = (f32(b0.ln0.weight), f32(b0.ln0.bias))
         self.ln_out = (f32(model.ln_out.weight), f32(model.ln_out.bias))
         self.head = low(model.head.weight)
-        rmax = max(self.padded)
+        rmax = self.rmax
         self.layers = []
         for block in model.blocks:
             att, ffn = block.att, block.ffn
-            names = ("w", "a", "v", "g")
-            first = [F.pad(getattr(att, f"{n}1").detach().t(), (0, 0, 0, p - r))
-                     for n, r, p in zip(names, self.ranks, self.padded, strict=True)]
+            first = [F.pad(getattr(att, f"{n}1").detach().t(), (0, 0, 0, rmax - r))
+                     for n, r in zip(LORAS, self.ranks, strict=True)]
             w_in = low(torch.cat([att.receptance.weight, att.key.weight, att.value.weight, *first]))
             second = [F.pad(getattr(att, f"{n}2").detach().t(), (0, rmax - r))
-                      for n, r in zip(names, self.ranks, strict=True)]
+                      for n, r in zip(LORAS, self.ranks, strict=True)]
             w2 = low(torch.cat(second))
             self.layers.append(_Layer(
                 ln1=(f32(block.ln1.weight), f32(block.ln1.bias)),
@@ -413,21 +406,21 @@ class CudaRunner(SlotStates):
                 mix_ffn=f32(ffn.x_k.view(1, C)),
                 prm=f32(torch.stack([att.w0, att.a0, att.v0, att.k_k, att.k_a, att.r_k.reshape(C),
                                      att.ln_x.weight, att.ln_x.bias])),
-                w_in=w_in, w2=w2, wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
-                lora1=tuple(w_in[c:c + r] for c, r in zip(self.hidden_cols, self.ranks, strict=True)),
-                lora2=tuple(w2[g * C:(g + 1) * C, :r] for g, r in enumerate(self.ranks)),
+                w_in=w_in, w2=w2, w_rkv_t=w_in[:3 * C].view(3, C, C).transpose(1, 2),
+                w1_t=w_in[3 * C:].view(4, rmax, C).transpose(1, 2), w2_t=w2.view(4, C, rmax).transpose(1, 2),
+                wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
             ))
 
     def _tables(self) -> None:
-        C, (pw, pa, pv, pg) = self.C, self.padded
-        none, tanh, sig = K.ACT_NONE, K.ACT_TANH, K.ACT_SIGMOID
-        self.table_in = K.GemvTable(
-            [(C, 0, C, none), (C, C, C, none), (C, 2 * C, C, none),  # r, k, v from xr, xk, xv
-             (pw, 3 * C, C, tanh), (pa, 4 * C, C, none), (pv, 2 * C, C, none), (pg, 5 * C, C, sig)],
-            block_n=32, device=self.device)
-        self.table_lora2 = K.GemvTable(  # padded K: w2's padding columns are zero
-            [(C, col, r, none) for col, r in zip(self.hidden_cols, self.padded, strict=True)],
-            block_n=32, device=self.device)
+        """The gemv path's grouped products: r, k, v and the LoRAs' first stages (activated) into
+        one [T, 3C + ΣRp] buffer; the second stages from it into [T, 4C]. Padding rows are skipped."""
+        C, R = self.C, self.rmax
+        act = {"v": K.ACT_NONE, "w": K.ACT_TANH, "a": K.ACT_NONE, "g": K.ACT_SIGMOID}
+        rkv = [(C, j * C, C, K.ACT_NONE, j * C) for j in range(3)]  # r, k, v from xr, xk, xv
+        first = [(self.padded[g], (2 + g) * C, C, act[n], 3 * C + g * R) for g, n in enumerate(LORAS)]
+        self.table_in = K.GemvTable(rkv + first, self.device)
+        self.table_lora2 = K.GemvTable(  # K up to the padded width: w2's padding columns are zero
+            [(C, self.hidden_cols[g], self.padded[g], K.ACT_NONE, g * C) for g in range(4)], self.device)
 
     def _pick_f32_matmul(self):
         """bf16 × bf16 -> fp32 logits in one cuBLAS call where torch offers it."""
@@ -451,6 +444,12 @@ class CudaRunner(SlotStates):
                 raise
             log.warning("fla-core is not installed: prefill runs the recurrent kernel (slower on long rows)")
             return "recurrent"
+
+
+def _wavg(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The LoRA outputs from LORAS order (v, w, a, g) to the kernels' (w, a, v, g)."""
+    v, w, a, g = lora
+    return w, a, v, g
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
@@ -505,12 +504,40 @@ def _pin_autotuners(prefix: str) -> None:
                 value, seen = getattr(value, "fn", None), seen + 1
 
 
-def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch) -> tuple[Tensor, Tensor]:
-    """fla-core 0.6's forward, called below its autograd wrapper so that the chunk index comes
-    from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy)."""
-    chunk_dplr_fwd = _fla_import()
-    o, s1, _, _ = chunk_dplr_fwd(
-        q=r, k=k, v=v, a=a, b=b, gk=w_log, scale=1.0, initial_state=s0, output_final_state=True,
-        cu_seqlens=batch.cu_seqlens, chunk_size=FLA_CHUNK, safe_gate=True, chunk_indices=batch.chunk_indices,
-    )
+def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch, state_bv: int | None = None) -> tuple[Tensor, Tensor]:
+    """fla-core 0.6's chunk_dplr_fwd, stage by stage below its autograd wrapper: the chunk index
+    comes from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy), and
+    the state pass between chunks (serial along each row) splits the value dimension so that one
+    long row still fills the GPU: fla fixes 64-wide blocks on Hopper, one program per head."""
+    from fla.ops.generalized_delta_rule.dplr.chunk_A_fwd import chunk_dplr_fwd_intra  # noqa: PLC0415
+    from fla.ops.generalized_delta_rule.dplr.chunk_h_fwd import chunk_dplr_fwd_kernel_h  # noqa: PLC0415
+    from fla.ops.generalized_delta_rule.dplr.chunk_o_fwd import chunk_dplr_fwd_o  # noqa: PLC0415
+    from fla.ops.generalized_delta_rule.dplr.wy_fast_fwd import prepare_wy_repr_fwd  # noqa: PLC0415
+    from fla.ops.rwkv6.chunk import chunk_rwkv6_fwd_cumsum  # noqa: PLC0415
+    from fla.ops.utils.constant import RCP_LN2  # noqa: PLC0415
+
+    _fla_import()
+    BT, cu, idx = FLA_CHUNK, batch.cu_seqlens, batch.chunk_indices
+    gi, ge = chunk_rwkv6_fwd_cumsum(w_log, BT, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
+    A_ab, A_qk, A_ak, A_qb, qg, kg, ag, bg = chunk_dplr_fwd_intra(
+        q=r, k=k, a=a, b=b, gi=gi, ge=ge, scale=1.0, cu_seqlens=cu, safe_gate=True, chunk_size=BT,
+        chunk_indices=idx)
+    w, u, _ = prepare_wy_repr_fwd(ag=ag, A_ab=A_ab, A_ak=A_ak, v=v, cu_seqlens=cu, chunk_size=BT,
+                                  chunk_indices=idx, safe_gate=True)
+    _, T, H, N = kg.shape
+    n_rows = s0.shape[0]
+    if state_bv is None:  # value blocks: enough programs for the multiprocessors, at most 64 wide
+        n_sm = torch.cuda.get_device_properties(r.device).multi_processor_count
+        state_bv = 64
+        while state_bv > 16 and n_rows * H * (N // state_bv) < n_sm:
+            state_bv //= 2
+    h = kg.new_empty(1, idx.shape[0], H, N, N)
+    s1 = torch.empty(n_rows, H, N, N, device=r.device, dtype=torch.float32)
+    v_new = torch.empty_like(u)
+    offsets = torch.nn.functional.pad(torch.diff(cu).add_(BT - 1).div_(BT, rounding_mode="floor"), (1, 0)).cumsum(0)
+    chunk_dplr_fwd_kernel_h[(N // state_bv * n_rows * H,)](
+        kg=kg, v=v, w=w, bg=bg, u=u, v_new=v_new, h=h, gk=gi, h0=s0, ht=s1, cu_seqlens=cu, chunk_offsets=offsets,
+        T=T, H=H, K=N, V=N, BT=BT, BC=min(BT, 64), BK=N, BV=state_bv)
+    o = chunk_dplr_fwd_o(qg=qg, v=v, v_new=v_new, A_qk=A_qk, A_qb=A_qb, h=h, cu_seqlens=cu, chunk_size=BT,
+                         chunk_indices=idx)
     return o, s1

@@ -15,6 +15,8 @@ Layouts (T = tokens or decode rows, C = n_embd, H heads of N, slot = a row of th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -70,27 +72,30 @@ def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cols_per"])
 def _ln_shift_mix_kernel(
-    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, eps,
+    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, cols_per, eps,
     HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    # program (token, column block): the statistics need the whole row, the stores only the block's
     t = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * cols_per
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
+    cmask = mask & (cols >= lo) & (cols < lo + cols_per)
     xt = tl.load(x_in + t * C + cols, mask=mask, other=0.0)
     if HAS_DX:
         xt += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_X:
-        tl.store(x_out + t * C + cols, xt, mask=mask)
+        tl.store(x_out + t * C + cols, xt, mask=cmask)
     h = _layernorm(xt, ln_w, ln_b, cols, mask, C, eps)
     slot = tl.load(tok_slot + t).to(tl.int64)
     if PREFILL:
         # a row's first token takes its slot's shift; any other token its predecessor's h, which
         # this program recomputes (x_in is never written here, so there is no race)
         if slot >= 0:
-            prev = tl.load(shift + slot * C + cols, mask=mask, other=0.0)
+            prev = tl.load(shift + slot * C + cols, mask=cmask, other=0.0)
         else:
             xp = tl.load(x_in + (t - 1) * C + cols, mask=mask, other=0.0)
             if HAS_DX:
@@ -98,14 +103,17 @@ def _ln_shift_mix_kernel(
             prev = _layernorm(xp, ln_w, ln_b, cols, mask, C, eps)
         row = tl.load(tok_row + t).to(tl.int64)  # >= 0 on a row's last token
         if row >= 0:
-            tl.store(new_shift + row * C + cols, h, mask=mask)
-    else:  # decode: one token per row, so this program alone reads and writes the slot's shift
-        prev = tl.load(shift + slot * C + cols, mask=mask, other=0.0)
-        tl.store(shift + slot * C + cols, h, mask=mask)
+            tl.store(new_shift + row * C + cols, h, mask=cmask)
+    else:  # decode: one token per row, so this program alone reads and writes these columns of the shift
+        prev = tl.load(shift + slot * C + cols, mask=cmask, other=0.0)
+        tl.store(shift + slot * C + cols, h, mask=cmask)
     xx = prev - h
     for g in tl.static_range(NMIX):
-        m = tl.load(mix + g * C + cols, mask=mask, other=0.0)
-        tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=mask)
+        m = tl.load(mix + g * C + cols, mask=cmask, other=0.0)
+        tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=cmask)
+
+
+LN_WARPS: int | None = None  # None: 4 up to C = 2048, else 8
 
 
 def ln_shift_mix(
@@ -124,12 +132,17 @@ def ln_shift_mix(
     T, C = x_in.shape
     G = mix.shape[0]
     prefill = tok_row is not None
+    store_x = dx is not None or x_out.data_ptr() != x_in.data_ptr()
+    # few tokens: their columns spread over several programs (each reads the whole row for the
+    # statistics); not when x_out is x_in, where one block's store would race another's read
+    blocks = 1 if store_x and x_out.data_ptr() == x_in.data_ptr() else max(1, min(triton.cdiv(C, 256), 1024 // T))
+    cols_per = triton.cdiv(C, blocks)
     out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
-    _ln_shift_mix_kernel[(T,)](
+    _ln_shift_mix_kernel[(T, blocks)](
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
-        tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, LN_EPS,
-        HAS_DX=dx is not None, STORE_X=dx is not None or x_out.data_ptr() != x_in.data_ptr(), PREFILL=prefill,
-        NMIX=G, BLOCK_C=_pow2(C), num_warps=4 if C <= 2048 else 8,
+        tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, cols_per, LN_EPS,
+        HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill,
+        NMIX=G, BLOCK_C=_pow2(C), num_warps=LN_WARPS or (4 if C <= 2048 else 8),
     )
     return out
 
@@ -195,10 +208,12 @@ def _gemv_kernel(
         a_col = tl.load(table + pid_n)
         k_len = tl.load(table + n_blocks + pid_n)
         act = tl.load(table + 2 * n_blocks + pid_n)
+        w_row = tl.load(table + 3 * n_blocks + pid_n)
     else:
         a_col = 0
         k_len = K
         act = ACT
+        w_row = pid_n * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -208,7 +223,7 @@ def _gemv_kernel(
     m_mask = offs_m[:, None] < M
     n_mask = offs_n[:, None] < N
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
-    w_rows = W + offs_n[:, None].to(tl.int64) * ldw + offs_k[None, :]
+    w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
@@ -228,54 +243,149 @@ def _gemv_kernel(
         tl.store(y_ptrs, _activate(acc, act).to(Y.dtype.element_ty), mask=y_mask)
 
 
-class GemvTable:
-    """Per output block (BLOCK_N columns): input column, K and activation, for a grouped gemv.
+@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
+def _gemv_fma_kernel(
+    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
+    GROUPED: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The same product for a few rows on the FMA units: fp32 activations as they are, each thread
+    keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if GROUPED:
+        a_col = tl.load(table + pid_n)
+        k_len = tl.load(table + n_blocks + pid_n)
+        act = tl.load(table + 2 * n_blocks + pid_n)
+        w_row = tl.load(table + 3 * n_blocks + pid_n)
+    else:
+        a_col = 0
+        k_len = K
+        act = ACT
+        w_row = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(k_len, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, k_len)
+    m_mask = offs_m[:, None] < M
+    n_mask = offs_n[:, None] < N
+    a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
+    w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)
+        w = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
+        acc += w[None, :, :] * a[:, None, :]
+    y = tl.sum(acc, axis=2)
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
+    y_mask = m_mask & (offs_n[None, :] < N)
+    if EPI == 1:
+        tl.atomic_add(y_ptrs, y, mask=y_mask)
+    else:
+        tl.store(y_ptrs, _activate(y, act).to(Y.dtype.element_ty), mask=y_mask)
 
-    groups: (output columns, input column, K, activation) in output order; every group's output
-    width must be a multiple of block_n, every K a multiple of 64.
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How a gemv launches: FMA units or tensor cores, tile, warps, pipeline depth, and (for the
+    atomic epilogue) how many programs per multiprocessor the K split aims at."""
+
+    fma: bool
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    per_sm: int = 2
+
+
+# Chosen on an H200 by bench/gpu_tune.py (cold weights, one and eight rows; docs/gpu.md): narrow
+# FMA programs for one or two rows of matrices up to a few tens of MB, 64-wide tensor-core tiles
+# four stages deep for more rows and for the largest matrices (the head, 7.2B's FFN).
+FMA_ROWS = 2  # up to this many rows the FMA kernel may run (exact fp32 activations)
+FMA_MAX_BYTES = 64 << 20  # larger weights stream faster through the tensor-core kernel
+GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=2, per_sm=4)
+GEMV_DOT = GemvConfig(fma=False, block_n=64, block_k=128, warps=4, stages=4, per_sm=2)
+
+
+def gemv_config(m: int, w: torch.Tensor) -> GemvConfig:
+    if m <= FMA_ROWS and w.numel() * w.element_size() < FMA_MAX_BYTES:
+        return GEMV_FMA
+    return GEMV_DOT
+
+
+class GemvTable:
+    """Per output block: input column, K, activation and weight row, for a grouped gemv.
+
+    groups: (output columns, input column, K, activation, first weight row) in output order; the
+    outputs are contiguous, the weight rows need not be (padding rows between groups are never
+    read). Every group's width must be a multiple of the block width asked for, every K of 64.
     """
 
-    def __init__(self, groups: list[tuple[int, int, int, int]], block_n: int, device: torch.device):
-        rows = []
-        for width, a_col, k, act in groups:
-            if width % block_n or k % 64:
-                raise ValueError(f"group of width {width}, K {k}: not multiples of {block_n} and 64")
-            rows += [(a_col, k, act)] * (width // block_n)
-        self.block_n = block_n
-        self.n_blocks = len(rows)
-        self.block_k = 128 if all(k % 128 == 0 for _, k, _ in rows) else 64
-        self.max_k = max(k for _, k, _ in rows)
-        self.tensor = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.int32).reshape(-1).to(device)
+    def __init__(self, groups: list[tuple[int, int, int, int, int]], device: torch.device):
+        if any(k % 64 for _, _, k, _, _ in groups):
+            raise ValueError("grouped gemv: every K must be a multiple of 64")
+        self.groups, self.device = groups, device
+        self.width = sum(g[0] for g in groups)
+        self.max_k = max(k for _, _, k, _, _ in groups)
+        self.ks = {k for _, _, k, _, _ in groups}
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    def blocks(self, block_n: int) -> torch.Tensor:
+        """[4 · n_blocks] int32: the blocks' input columns, K, activations, then weight rows."""
+        if block_n not in self._blocks:
+            rows = []
+            for width, a_col, k, act, w_row in self.groups:
+                if width % block_n:
+                    raise ValueError(f"group of width {width}: not a multiple of {block_n}")
+                rows += [(a_col, k, act, w_row + j * block_n) for j in range(width // block_n)]
+            flat = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.int32).reshape(-1)
+            self._blocks[block_n] = flat.to(self.device)
+        return self._blocks[block_n]
 
 
 def gemv(
     a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, *, table: GemvTable | None = None,
-    act: int = ACT_NONE, epi: int = EPI_STORE, n_sm: int = 132,
+    act: int = ACT_NONE, epi: int = EPI_STORE, n_sm: int = 132, config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K].
+    """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K]
+    (grouped: y [≥m, table.width], the table says which rows of w and columns of a each block uses).
 
-    An fp32 `a` is split into bf16 hi + lo parts (SPLIT_A); a bf16 `a` is used as it is.
+    Up to FMA_ROWS rows run on the FMA units with fp32 activations; more on the tensor cores, where
+    an fp32 `a` is split into bf16 hi + lo parts (SPLIT_A) and a bf16 `a` is used as it is.
+    block_k is shrunk to divide every K.
     """
     N, K = w.shape
+    cfg = config or gemv_config(m, w)
     if table is not None:
-        block_n, n_blocks, k_max, block_k = table.block_n, table.n_blocks, table.max_k, table.block_k
-        if n_blocks * block_n != N:
-            raise ValueError("grouped gemv: the table does not cover the weight's rows")
+        block_n, k_max, ks, N = cfg.block_n, table.max_k, table.ks, table.width
+        blocks = table.blocks(block_n)
+        n_blocks = blocks.shape[0] // 4
     else:
-        block_n = 64 if N >= 8192 else 32
-        n_blocks, k_max = triton.cdiv(N, block_n), K
-        block_k = 128 if K % 128 == 0 else 64
         if K % 64:
             raise ValueError(f"gemv needs K a multiple of 64, got {K}")
+        block_n = cfg.block_n if cfg.fma else min(cfg.block_n, max(16, _pow2(N) // 8))
+        n_blocks, k_max, ks = triton.cdiv(N, block_n), K, {K}
+    block_k = cfg.block_k
+    while any(k % block_k for k in ks):
+        block_k //= 2
     split = 1
     if epi == EPI_ATOMIC_ADD:  # enough programs to keep every multiprocessor streaming
-        split = max(1, min(triton.cdiv(2 * n_sm, n_blocks), k_max // block_k))
+        split = max(1, min(triton.cdiv(cfg.per_sm * n_sm, n_blocks), k_max // block_k))
+    common = (a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K, blocks if table is not None else y,
+              n_blocks, act, split)
+    if cfg.fma:
+        block_m = _pow2(m)
+        _gemv_fma_kernel[(n_blocks, split)](
+            *common, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=max(64, min(block_k, 8192 // (block_m * block_n))), num_warps=cfg.warps, num_stages=cfg.stages,
+        )
+        return y
     block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
     _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
-        a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K,
-        table.tensor if table is not None else y, n_blocks, act, split,
-        GROUPED=table is not None, SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+        *common, GROUPED=table is not None, SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
 
@@ -302,27 +412,12 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 #     v = v + (v_first - v)·σ(v0 + vl)              (layer 0: v_first = v)
 #     S = S·diag(w) + (S·(-kk))(kk·a)ᵀ + v kᵀ;  o = S·r        (the slot's state, in place)
 #     y = (GroupNorm_head(o) + Σ(r·k·r_k)·v) · g
-#   FUSED_LORA: wl, al, vl, g are computed here from the LoRA hiddens (tiny second stages), which
-#   saves a launch when the batch is small.
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _lora_out(hid_ptr, w_rows, R, N: tl.constexpr, BLOCK_R: tl.constexpr):
-    acc = tl.zeros((N,), dtype=tl.float32)
-    for j0 in tl.range(0, R, BLOCK_R):
-        j = j0 + tl.arange(0, BLOCK_R)
-        jm = j < R
-        hv = tl.load(hid_ptr + j, mask=jm, other=0.0).to(tl.float32)
-        wv = tl.load(w_rows[:, None] + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wv * hv[None, :], axis=1)
-    return acc
-
-
-@triton.jit(do_not_specialize=["Rw", "Ra", "Rv", "Rg", "H"])
+@triton.jit(do_not_specialize=["H"])
 def _wkv_decode_kernel(
-    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, HW, HA, HV, HG, W2, ldw2, Rw, Ra, Rv, Rg, VF, prm, S, idx, Y,
-    H, C, gn_eps, N: tl.constexpr, BLOCK_R: tl.constexpr, FIRST: tl.constexpr, FUSED_LORA: tl.constexpr,
+    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, N: tl.constexpr, FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -332,16 +427,10 @@ def _wkv_decode_kernel(
     r = tl.load(R_ + b * ldp + c).to(tl.float32)
     k = tl.load(K_ + b * ldp + c).to(tl.float32)
     v = tl.load(V_ + b * ldp + c).to(tl.float32)
-    if FUSED_LORA:
-        wl = _lora_out(HW + b * ldp, W2 + c.to(tl.int64) * ldw2, Rw, N, BLOCK_R)
-        al = _lora_out(HA + b * ldp, W2 + (C + c).to(tl.int64) * ldw2, Ra, N, BLOCK_R)
-        vl = _lora_out(HV + b * ldp, W2 + (2 * C + c).to(tl.int64) * ldw2, Rv, N, BLOCK_R)
-        g = _lora_out(HG + b * ldp, W2 + (3 * C + c).to(tl.int64) * ldw2, Rg, N, BLOCK_R)
-    else:
-        wl = tl.load(WL + b * ldl + c).to(tl.float32)
-        al = tl.load(AL + b * ldl + c).to(tl.float32)
-        vl = tl.load(VL + b * ldl + c).to(tl.float32)
-        g = tl.load(G_ + b * ldl + c).to(tl.float32)
+    wl = tl.load(WL + b * ldl + c).to(tl.float32)
+    al = tl.load(AL + b * ldl + c).to(tl.float32)
+    vl = tl.load(VL + b * ldl + c).to(tl.float32)
+    g = tl.load(G_ + b * ldl + c).to(tl.float32)
     decay = tl.exp(-0.606531 * tl.sigmoid(tl.load(prm + c) + wl))
     a = tl.sigmoid(tl.load(prm + C + c) + al)
     kk = k * tl.load(prm + 3 * C + c)
@@ -499,24 +588,22 @@ def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor,
     return o
 
 
+WKV_DECODE_WARPS = 2  # 3% faster than 4 at 256 rows on an H200 (bench/gpu_tune.py), 8 is slower
+
+
 def wkv_decode(
-    rkv: tuple[torch.Tensor, ...], lora: tuple[torch.Tensor, ...] | None, hidden: tuple[torch.Tensor, ...] | None,
-    w2: torch.Tensor, ranks: tuple[int, ...], v_first: torch.Tensor, prm: torch.Tensor, state: torch.Tensor,
-    idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
+    rkv: tuple[torch.Tensor, ...], lora: tuple[torch.Tensor, ...], v_first: torch.Tensor, prm: torch.Tensor,
+    state: torch.Tensor, idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """One token per row: y [B, C]; the rows' slots of state [S, H, N, N] advance in place.
 
-    rkv: r, k, v [B, C] with one row stride; lora: wl, al, vl, g [B, C] with one row stride, or
-    None: then `hidden` holds the activated LoRA hiddens (with rkv's row stride) and the second
-    stages (w2 [4C, ≥R]) run here.
+    rkv: r, k, v [B, C] with one row stride; lora: wl, al, vl, g [B, C] with another.
     """
     B = idx.shape[0]
     C = v_first.shape[1]
     y = torch.empty(B, C, device=v_first.device, dtype=out_dtype)
-    lo = lora if lora is not None else rkv + rkv[:1]
-    hid = hidden if hidden is not None else rkv + rkv[:1]
     _wkv_decode_kernel[(B * H,)](
-        *rkv, rkv[0].stride(0), *lo, lo[0].stride(0), *hid, w2, w2.stride(0), *ranks, v_first, prm, state, idx,
-        y, H, C, GN_EPS, N=C // H, BLOCK_R=32, FIRST=first, FUSED_LORA=lora is None, num_warps=4,
+        *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, y, H, C, GN_EPS, N=C // H,
+        FIRST=first, num_warps=WKV_DECODE_WARPS,
     )
     return y

@@ -1,6 +1,6 @@
 """The CUDA runner against the fp32 definition (rwkv7.py through ModelRunner) on the same weights.
 
-Every path — prefill (chunked and recurrent), decode graphs of each kind (fused LoRA, gemv,
+Every path — prefill (chunked and recurrent), decode graphs of each kind (FMA gemv, tensor-core gemv,
 cuBLAS), mixed steps — must give logits and states within bf16 tolerance of the reference:
 ‖ours − ref‖ / ‖ref‖ ≤ 1e-2. The reference runs in fp32 on weights rounded to bf16 (the weights
 the GPU runs), so the check measures the kernels, not the rounding of the checkpoint.
@@ -102,9 +102,9 @@ def test_prefill_ragged_rows(pair, wkv):
     runner.prefill_wkv = "recurrent"
 
 
-@pytest.mark.parametrize("batch", [1, 3, 6, 8])
+@pytest.mark.parametrize("batch", [1, 2, 6, 8])
 def test_decode_steps(pair, batch):
-    """batch 1 and 3: gemv path, LoRA fused into the core; 6: gemv LoRA; 8 with small_batch 4: cuBLAS."""
+    """batch 1 and 2: gemv on the FMA units; 6: gemv on the tensor cores; 8 with small_batch 4: cuBLAS."""
     runner, ref = pair
     runner.small_batch = 4 if batch == 8 else 16
     slots = list(range(8))[::-1][:batch]

@@ -1,0 +1,175 @@
+"""Tuning runs for the CUDA runner's launch choices, on an H200 (a tool, not the benchmark of record:
+bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune.json:
+
+  gemv     every FMA and tensor-core configuration on the decode products of the released shapes
+           (one row and eight), cold weights (copies cycled past the L2), GB/s of weight bytes
+  decode   runner.decode at batch 1 to 256, the time-mix core's warps; prefill with the LayerNorm
+           kernels' warps; a kernel profile
+
+    python bench/gpu_tune.py [--parts gemv,decode] [--models 0.1b,1.5b,7.2b] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu import SHAPES, measure_ceilings, random_model, say, time_decode, time_prefill  # noqa: E402
+
+from replicas.model import kernels as K  # noqa: E402
+
+FMA_CONFIGS = [K.GemvConfig(True, bn, bk, w, s, 4) for bn, bk, w, s in itertools.product(
+    (8, 16, 32), (128, 256, 512), (4, 8), (1, 2, 3)) if bn * bk <= 8192]
+DOT_CONFIGS = [K.GemvConfig(False, bn, bk, w, s, 2) for bn, bk, w, s in itertools.product(
+    (16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)) if bn * bk <= 8192]
+
+
+def products(name: str) -> list[tuple[str, int, int, int]]:
+    """(label, N, K, epilogue) of one layer's decode products and the head."""
+    cfg = SHAPES[name]
+    C, F = cfg.n_embd, cfg.ffn_dim
+    lora = sum(-(-r // 64) * 64 for r in (cfg.w_lora, cfg.a_lora, cfg.v_lora, cfg.g_lora))
+    return [("w_in", 3 * C + lora, C, K.EPI_STORE), ("wo", C, C, K.EPI_ATOMIC_ADD), ("wfk", F, C, K.EPI_STORE),
+            ("wfv", C, F, K.EPI_ATOMIC_ADD), ("head", cfg.vocab_size, C, K.EPI_STORE)]
+
+
+def graph_us(fns) -> float:
+    """Mean µs per call of fns run back to back in one CUDA graph (as a decode step runs them)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * len(fns))
+
+
+def tune_gemv(models: list[str], bandwidth: float, results: dict) -> None:
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in models:
+        for label, N, Kd, epi in products(name):
+            size = N * Kd * 2
+            copies = max(8, min(64, -(-(512 << 20) // size)))
+            ws = [torch.randn(N, Kd, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            a = torch.randn(8, Kd, device="cuda")
+            y = torch.zeros(8, N, device="cuda")
+            for m in (1, 8):
+                rows = []
+                for cfg in FMA_CONFIGS + DOT_CONFIGS:
+                    if cfg.fma and m > 4:
+                        continue
+                    for per_sm in ((1, 2, 4, 8) if epi == K.EPI_ATOMIC_ADD else (cfg.per_sm,)):
+                        c = K.GemvConfig(cfg.fma, cfg.block_n, cfg.block_k, cfg.warps, cfg.stages, per_sm)
+                        try:
+                            us = graph_us([functools.partial(K.gemv, a, w, y, m, epi=epi, n_sm=n_sm, config=c)
+                                           for w in ws])
+                        except Exception as e:  # noqa: BLE001 (a configuration that does not compile)
+                            say(f"gemv {name} {label} {c}: {type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        rows.append((us, c))
+                rows.sort(key=lambda r: r[0])
+                best = {"fma": next((r for r in rows if r[1].fma), None),
+                        "dot": next((r for r in rows if not r[1].fma), None)}
+                key = f"{name}|{label}|m{m}"
+                results["gemv"][key] = {
+                    "bytes": size, "limit_us": size / bandwidth * 1e6,
+                    "top": [(round(us, 2), c.__dict__) for us, c in rows[:6]],
+                    "best_fma": best["fma"] and (round(best["fma"][0], 2), best["fma"][1].__dict__),
+                    "best_dot": best["dot"] and (round(best["dot"][0], 2), best["dot"][1].__dict__),
+                    "default": next((round(us, 2) for us, c in rows
+                                     if (c.fma, c.block_n, c.block_k, c.warps, c.stages)
+                                     == tuple(getattr(K.GEMV_FMA if m <= K.FMA_ROWS else K.GEMV_DOT, f)
+                                              for f in ("fma", "block_n", "block_k", "warps", "stages"))), None),
+                }
+                us, c = rows[0]
+                say(f"gemv {key}: {size / 1e6:.1f} MB, limit {size / bandwidth * 1e6:.1f} µs; best {us:.1f} µs "
+                    f"({size / us / 1e3:.0f} GB/s) {c}; fma best {best['fma'] and round(best['fma'][0], 1)}, "
+                    f"dot best {best['dot'] and round(best['dot'][0], 1)}")
+            del ws
+            torch.cuda.empty_cache()
+
+
+def tune_decode(models: list[str], results: dict) -> None:
+    """Decode at each batch, the time-mix core's warps at 256 rows, prefill with the LayerNorm
+    kernels' warps, and a kernel profile, per model."""
+    from gpu import profile  # noqa: PLC0415
+
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+
+    for name in models:
+        model = random_model(SHAPES[name], torch.bfloat16)
+        runner = CudaRunner(model, max_slots=256)
+        del model
+        for batch in (1, 2, 8, 64, 256):
+            rate = time_decode(runner, batch)
+            results["decode"][f"{name}|b{batch}"] = rate
+            say(f"decode {name} batch {batch}: {rate:,.0f} tokens/s (gemv path: {runner.path_choice.get(batch)})")
+        default = K.WKV_DECODE_WARPS
+        for warps in (2, 4, 8):
+            K.WKV_DECODE_WARPS = warps
+            runner._graphs.clear()
+            runner._pool = None  # a pool whose graphs are gone cannot take new captures
+            rate = time_decode(runner, 256)
+            results["decode"][f"{name}|wkv warps {warps}|b256"] = rate
+            say(f"decode {name} time-mix core {warps} warps, batch 256: {rate:,.0f} tokens/s")
+        K.WKV_DECODE_WARPS = default
+        for ln_warps in (None, 8, 16):
+            K.LN_WARPS = ln_warps
+            for rows, length in ((1, 4096), (16, 1024)):
+                rate = time_prefill(runner, rows, length)
+                results["prefill"][f"{name}|ln warps {ln_warps}|{rows}x{length}"] = rate
+                say(f"prefill {name} LayerNorm warps {ln_warps}, {rows}×{length}: {rate:,.0f} tokens/s")
+        K.LN_WARPS = None
+        runner._graphs.clear()
+        runner._pool = None
+        if name != "0.1b":
+            profile(runner)
+        del runner
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="gemv,decode")
+    parser.add_argument("--models", default="0.1b,1.5b,7.2b")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    models = args.models.split(",")
+    results: dict = {"gemv": {}, "decode": {}, "prefill": {}}
+    ceil = measure_ceilings()
+    results["ceilings"] = ceil
+    say(f"bandwidth {ceil['bandwidth'] / 1e12:.2f} TB/s, bf16 {ceil['matmul'] / 1e12:.0f} TFLOP/s")
+    parts = args.parts.split(",")
+    try:
+        if "gemv" in parts:
+            tune_gemv(models, ceil["bandwidth"], results)
+        if "decode" in parts:
+            tune_decode(models, results)
+    finally:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_tune.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
