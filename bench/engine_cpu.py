@@ -11,6 +11,9 @@ BlinkDL checkpoint in this run):
 
     python bench/engine_cpu.py [--models demo,0.1b] [--new-tokens 64] [--prompt-tokens 2000]
 
+With --overhead, only the engine's cost per decode step outside the model (sampling, text,
+events, asyncio), at 128 and 256 concurrent 1-token prompts on the demo model.
+
 Prints progress to stderr and a Markdown table to stdout.
 """
 
@@ -116,6 +119,32 @@ def bench_model(name: str, model_dir: Path, args) -> dict:
     return out
 
 
+def engine_overhead(rows: int, new_tokens: int) -> tuple[float, float]:
+    """Wall ms per decode step and the model's share, `rows` requests of one prompt token each."""
+    runner, tokenizer, _ = open_model(default_model_dir(), max_slots=rows, device="cpu")
+    engine = Engine(runner, tokenizer, EngineConfig(max_slots=rows, max_waiting=rows)).start()
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+
+    async def all_rows():
+        async def one(i):
+            async for _ in engine.generate(Request([1 + i % 100], params)):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(rows)))
+
+    try:
+        asyncio.run(all_rows())  # warm-up
+        before = engine.snapshot_stats()["counters"]
+        start = time.perf_counter()
+        asyncio.run(all_rows())
+        wall = time.perf_counter() - start
+        after = engine.snapshot_stats()["counters"]
+    finally:
+        engine.stop()
+    steps = after["decode_calls"] - before["decode_calls"]
+    return wall * 1e3 / steps, (after["decode_us"] - before["decode_us"]) / 1e3 / steps
+
+
 def reference_single_stream(pth: Path, new_tokens: int) -> float:
     """The rwkv package (cpu fp32) decoding one stream, token by token, on the same checkpoint."""
     os.environ["RWKV_V7_ON"] = "1"
@@ -144,8 +173,17 @@ def main() -> None:
     parser.add_argument("--models", default="demo,0.1b")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--overhead", action="store_true", help="only the engine's per-step cost outside the model")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.overhead:
+        print("| rows | ms a step | model | outside the model |\n|---|---|---|---|")
+        for rows in (128, 256):
+            say(f"[demo] {rows} rows × {args.new_tokens} tokens")
+            step, model = engine_overhead(rows, args.new_tokens)
+            rest = step - model
+            print(f"| {rows} | {step:.2f} | {model:.2f} | {rest:.2f} ({rest / rows * 1e3:.1f} µs a row) |")
+        return
     rows, reference = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -7,14 +7,13 @@ max_tokens. Never touches the model or the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, Utf8Stream
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """What one sampled token produced: text now safe to emit, and the finish reason if it ended."""
 
     text: str
@@ -28,22 +27,26 @@ class OutputStream:
         self.end_tokens = set(params.stop_token_ids)
         if tokenizer.eos_token_id is not None and not params.ignore_eos:
             self.end_tokens.add(tokenizer.eos_token_id)
+        self.stops = tuple(params.stop)
         self.held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.count = 0  # tokens sampled so far, end tokens included
 
     def push(self, token: int) -> Step:
-        """Takes the next sampled token."""
+        """Takes the next sampled token (every row, every step: without stop strings, no search)."""
         self.count += 1
         if token in self.end_tokens:
             return Step(self.release(), "stop")
         self.held += self.utf8.push(token)
-        cut = self._stop_at()
+        cut = self._stop_at() if self.stops else None
         if cut is not None:
             text, self.held = self.held[:cut], ""
             return Step(text, "stop")
         if self.count >= self.params.max_tokens:
             return Step(self.release(), "length")
-        keep = self._possible_stop_start()
+        keep = self._possible_stop_start() if self.stops else 0
+        if not keep:
+            text, self.held = self.held, ""
+            return Step(text)
         text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return Step(text)
 
@@ -53,13 +56,13 @@ class OutputStream:
         return text
 
     def _stop_at(self) -> int | None:
-        found = [i for i in (self.held.find(s) for s in self.params.stop) if i >= 0]
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         return min(found) if found else None
 
     def _possible_stop_start(self) -> int:
         """Length of the longest tail of the held text that begins some stop string."""
         longest = 0
-        for stop in self.params.stop:
+        for stop in self.stops:
             for n in range(min(len(stop) - 1, len(self.held)), longest, -1):
                 if self.held.endswith(stop[:n]):
                     longest = n

@@ -102,15 +102,18 @@ class Sampler:
         self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams], uniforms: Sequence[float]
     ) -> SampleOutput:
         """logits [B, V] -> one token per row; updates the penalty counts of the rows' slots."""
-        x = logits.float().clone()
+        x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
         self._apply_penalties(x, slots, params)
-        tokens = x.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, device=x.device)
-            chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
-            tokens = tokens.index_put((index,), chosen)
+        if len(random_rows) == len(params):  # no greedy row: no argmax, no copy of the random rows
+            tokens = _sample_rows(x, params, uniforms)
+        else:
+            tokens = x.argmax(dim=-1)
+            if random_rows:
+                index = torch.tensor(random_rows, device=x.device)
+                chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
+                tokens = tokens.index_put((index,), chosen)
         token_list = tokens.tolist()  # the one host synchronisation of a step
         self._record(slots, token_list, params)
         return SampleOutput(token_list, _logprobs(x, token_list, params))
@@ -132,10 +135,13 @@ class Sampler:
         x[index] -= presence * (counts > 0) + frequency * counts
 
     def _record(self, slots: Sequence[int], tokens: Sequence[int], params: Sequence[SamplingParams]) -> None:
-        for slot, token, p in zip(slots, tokens, params, strict=True):
-            if p.penalized:
-                self.counts[slot] *= p.penalty_decay
-                self.counts[slot, token] += 1.0
+        rows = [i for i, p in enumerate(params) if p.penalized]
+        if not rows:
+            return
+        device = self.counts.device
+        index = torch.tensor([slots[i] for i in rows], device=device)  # a slot holds one row: no index repeats
+        self.counts[index] *= torch.tensor([params[i].penalty_decay for i in rows], device=device)[:, None]
+        self.counts[index, torch.tensor([tokens[i] for i in rows], device=device)] += 1.0
 
 
 def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> Tensor:
@@ -158,35 +164,146 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
-def _cutoffs(x: Tensor, k: list[int], top_p: list[float], window: int = 256) -> Tensor:
-    """Each row's smallest kept logit under top-k, then top-p (the best token always stays).
+# Top-k / top-p cut-offs never sort the vocabulary: a peaked row's nucleus is decided among its
+# best few hundred tokens, and the rows whose nucleus reaches past them (a flat distribution: a
+# random model, a high temperature) are decided by radix selection over the logits' bit patterns,
+# a fixed number of passes over [B, V]. A full sort of a 65k vocabulary cost more than the model
+# step. Both ways use the same integer masses, so a row's cut never depends on its batch-mates.
+# Few, large tensor operations: on a GPU each one costs a launch, and small batches are bound by them.
+_WINDOW = 256  # the best tokens looked at first
+_TOPK_MAX = 1024  # a top-k up to this is read from the window, widened to it; a larger one is counted
+_FIXED_POINT = 2.0**30  # probability -> int32 mass: sums are exact and order-free (deterministic on a
+# GPU); a row's masses sum to about 2**30, room to spare in int32
+_DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits): three small histograms settle 32 bits
+_LOWEST = -2139095040  # _order_keys(-inf): a cut that keeps every token
 
-    Looks at the best `window` tokens first (a full sort of a 65k vocabulary per row costs more
-    than the model step on a CPU); a row whose nucleus is not decided inside the window is
-    decided again over the whole vocabulary.
+
+def _cutoffs(x: Tensor, k: list[int], top_p: list[float]) -> Tensor:
+    """Each row's cut: the row keeps its tokens >= the cut (top-k, then top-p). float32 x [B, V].
+
+    A token is kept when fewer than k tokens are strictly better, and when the mass of the tokens
+    strictly better, renormalised over the best k, is below top_p (top_p = 1: no limit): tied
+    tokens stay or go together, and the best token always stays. Masses are integers, the
+    probabilities in units of 2**-30 (the whole vocabulary weighs 2**30), so a cut can differ from
+    exact arithmetic only for a row whose nucleus boundary lies within ~1e-6 of top_p.
+    Synchronises with the device once, to see whether any row needs the radix selection.
     """
     B, V = x.shape
-    cut = torch.empty(B, 1, device=x.device, dtype=x.dtype)
-    k_t = torch.tensor(k, device=x.device)[:, None]
-    p_t = torch.tensor(top_p, device=x.device, dtype=x.dtype)[:, None]
-    log_z = torch.logsumexp(x, -1, keepdim=True)
-    todo = torch.arange(B, device=x.device)
-    for width in (min(window, V), V):
-        values = torch.topk(x[todo], width, dim=-1).values  # best first
-        rank = torch.arange(width, device=x.device)[None, :]
-        values = values.masked_fill(rank >= k_t[todo], float("-inf"))
-        # mass of the best k tokens, renormalised: exact once the window covers them (k <= width)
-        top_k_mass = torch.exp(torch.logsumexp(values, -1, keepdim=True) - log_z[todo])
-        probs = torch.exp(values - log_z[todo]) / torch.where(k_t[todo] <= width, top_k_mass, 1.0)
-        mass = probs.cumsum(-1)
-        kept = ((mass - probs) < p_t[todo]) & (values > float("-inf"))
-        cut[todo] = values.gather(1, (kept.sum(-1, keepdim=True) - 1).clamp_(min=0))
-        whole_vocab = k_t[todo, 0] == V  # without top-k the window's mass is already final
-        decided = (k_t[todo, 0] <= width) | (whole_vocab & (mass[:, -1] >= p_t[todo, 0])) | (width == V)
-        todo = todo[~decided]
-        if todo.numel() == 0:
-            break
+    width = min(V, max([_WINDOW] + [kk for kk in k if kk <= _TOPK_MAX]))
+    window = _WindowRows(k, top_p, width, V, x.device)
+    log_z = _log_z(x)
+    values, index = torch.topk(x, width, dim=-1)  # best first; the order of a tie does not matter
+    cut, decided = window.cutoffs(values, _masses(values, log_z))
+    undecided = int((~decided).sum())  # the one host synchronisation
+    if undecided:
+        rows = slice(None) if undecided == B else (~decided[:, 0]).nonzero()[:, 0]
+        counted = any(width < kk < V for kk in k)  # those rows are never decided in the window
+        x = x[rows]
+        cut[rows] = _radix_cutoffs(x, _masses(x, log_z[rows]), window.k[rows], window.p[rows], counted)
     return cut
+
+
+def _log_z(x: Tensor) -> Tensor:
+    """logsumexp over the last dimension, less the terms below e**-80 (a CPU's exp is slow there)."""
+    top = x.amax(-1, keepdim=True)
+    return (x - top).clamp_(min=-80.0).exp_().sum(-1, keepdim=True).log_().add_(top)
+
+
+def _masses(x: Tensor, log_z: Tensor) -> Tensor:
+    """Logits -> int32 masses, exp(x - log_z) * 2**30 rounded. Elementwise, so the window and the
+    radix selection agree on a token's."""
+    # below e**-80 a mass rounds to 0 anyway, and a CPU's exp is slow there
+    return (x - log_z).clamp_(min=-80.0).exp_().mul_(_FIXED_POINT).round_().int()
+
+
+class _WindowRows:
+    """What the window needs to know of each row, on the device. Made before the window's work is
+    queued: an upload from the host waits for the work queued before it."""
+
+    def __init__(self, k: list[int], top_p: list[float], W: int, V: int, device: torch.device):
+        everything = [kk >= V and p >= 1.0 for kk, p in zip(k, top_p, strict=True)]
+        # a row is decided when fewer than `limit` of its window's tokens are kept
+        limit = [W + 1 if kk <= W or every else W if kk >= V else 0 for kk, every in zip(k, everything, strict=True)]
+        ints = torch.tensor([[kk, min(kk, W), lim] for kk, lim in zip(k, limit, strict=True)], device=device)
+        self.k, self.k_w, self.limit = ints[:, :1], ints[:, 1:2], ints[:, 2:]
+        p_w = [p if p < 1.0 else 2.0 for p in top_p]  # 2: the whole top k
+        floats = torch.tensor(list(zip(top_p, p_w, strict=True)), device=device, dtype=torch.float64)
+        self.p, self.p_w = floats[:, :1], floats[:, 1:]
+        flags = torch.tensor([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device=device)
+        self.in_window, self.everything = flags[:, :1], flags[:, 1:]
+
+    def cutoffs(self, values: Tensor, mass: Tensor) -> tuple[Tensor, Tensor]:
+        """Cuts from each row's best tokens (values [B, W] best first, their masses [B, W]), and which
+        rows they decide: those whose top-k lies in the window, and those whose nucleus ends in it."""
+        at_or_above = mass.cumsum(-1)  # the mass of each token and the better ones
+        top_k_mass = torch.where(self.in_window, at_or_above.gather(1, self.k_w - 1), int(_FIXED_POINT))
+        target = torch.ceil(self.p_w * top_k_mass)
+        # a token is kept when the mass ahead of it (strictly better, for the first of a tie) < target
+        kept = torch.minimum(((at_or_above - mass) < target).sum(-1, keepdim=True), self.k_w)
+        cut = values.gather(1, kept - 1).masked_fill_(self.everything, -torch.inf)
+        return cut, kept < self.limit
+
+
+def _radix_cutoffs(x: Tensor, mass: Tensor, k: Tensor, p: Tensor, counted: bool) -> Tensor:
+    """The cuts of _cutoffs, for any rows, by radix selection (`counted`: some k must be counted)."""
+    B, V = x.shape
+    key = _order_keys(x)
+    if not counted:  # then the rows the window left have no top-k and a top_p < 1
+        return _key_values(_select(key, mass, torch.ceil(p * _FIXED_POINT).int()))
+    limited = k < V
+    kth = torch.where(limited, _select(key, None, k.int()), _LOWEST)
+    # the best k: every token from the k-th up, less the copies of the k-th (the lightest) past k
+    kept = key >= kth
+    kept_mass = torch.where(kept, mass, 0).sum(-1, keepdim=True)
+    at_kth = torch.where(kept, mass, torch.iinfo(torch.int32).max).amin(-1, keepdim=True)
+    top_k_mass = torch.where(limited, kept_mass - (kept.sum(-1, keepdim=True) - k) * at_kth, int(_FIXED_POINT))
+    nucleus = _select(key, mass, torch.ceil(p * top_k_mass).int())
+    return _key_values(torch.where(p < 1.0, torch.maximum(kth, nucleus), kth))
+
+
+def _select(key: Tensor, weight: Tensor | None, target: Tensor) -> Tensor:
+    """Per row, the smallest key a (any int32, token or not) such that the tokens above a weigh less
+    than target (int32 [B, 1], at least 1): the row's tokens with key >= a are exactly those whose
+    better tokens weigh < target. weight: int32 [B, V], or None to count tokens. Returns int64 [B, 1].
+
+    The weight above a only shrinks as a grows, so a is found a digit at a time, high bits first:
+    each round histograms the tokens that share a's bits so far, by their next digit.
+    """
+    above, prefix, high_before = 0, None, None  # weight above a's bucket; a's bits so far; every token's
+    for shift, bits in _DIGITS:
+        high = key >> shift if shift else key
+        if prefix is None:
+            digit = high + (1 << (31 - shift))  # the sign bit flipped: digits in key order
+            w = torch.ones_like(key) if weight is None else weight
+        else:  # the tokens outside the bucket weigh nothing now, and are spread over all digits
+            digit, inside = high & ((1 << bits) - 1), high_before == prefix.int()
+            w = inside.int() if weight is None else torch.where(inside, weight, 0)
+        d, above = _lightest_digit(digit, w, bits, above, target)
+        prefix = d - (1 << (31 - shift)) if prefix is None else (prefix << bits) + d
+        high_before = high
+    return prefix
+
+
+def _lightest_digit(digit: Tensor, weight: Tensor, bits: int, above: Tensor | int,
+                    target: Tensor) -> tuple[Tensor, Tensor]:
+    """The lowest digit whose heavier digits and `above` weigh < target, and that weight."""
+    hist = torch.zeros(digit.shape[0], 1 << bits, device=digit.device, dtype=torch.int32)
+    below = hist.scatter_add_(1, digit.long(), weight).cumsum_(-1)  # weight at or below each digit
+    slack = above + below[:, -1:] - target  # weight above a digit >= target  <=>  below it <= slack
+    d = (below <= slack).sum(-1, keepdim=True)  # that weight only shrinks: d is the lowest digit < target
+    return d, slack + target - below.gather(1, d)
+
+
+def _order_keys(x: Tensor) -> Tensor:
+    """float32 -> int32 keys in the same order (sign-magnitude -> two's complement; -0 == +0)."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, torch.iinfo(torch.int32).min - bits, bits)
+
+
+def _key_values(key: Tensor) -> Tensor:
+    """int64 keys from _order_keys -> the float32 values they stand for."""
+    bits = torch.where(key < 0, torch.iinfo(torch.int32).min - key, key)
+    return bits.to(torch.int32).view(torch.float32)
 
 
 def _logprobs(x: Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

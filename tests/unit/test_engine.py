@@ -214,6 +214,27 @@ def test_cancel_mid_generation_frees_the_slot(parts):
         engine.stop()
 
 
+def test_a_wait_that_times_out_loses_no_event(parts, alone):
+    """The replica waits on a stream with a deadline (coalescing): a cancelled wait drops nothing."""
+    engine = make_engine(parts)
+    try:
+        async def impatient(prompt):
+            stream, events = engine.submit(Request(parts[1].encode(prompt), GREEDY)), []
+            while not events or not isinstance(events[-1], Finished):
+                try:
+                    events.append(await asyncio.wait_for(anext(stream), 0.0005))
+                except TimeoutError:
+                    pass
+            return events
+
+        for prompt, events in zip(PROMPTS, run(gather(*(impatient(p) for p in PROMPTS))), strict=True):
+            assert isinstance(events[0], Started)
+            assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == alone[prompt]
+        settle(engine)
+    finally:
+        engine.stop()
+
+
 def test_stress_random_submit_cancel_finish_leaks_nothing(parts):
     engine = make_engine(parts, max_slots=3, max_waiting=6)
     tok = parts[1]

@@ -91,16 +91,86 @@ def test_validation_names_the_bad_field(bad):
         SamplingParams(**bad).validate(V)
 
 
-def test_the_windowed_nucleus_equals_a_full_sort():
-    """Top-k/top-p cut-offs found in a window of the best tokens match a full sort's."""
+def sorted_cutoffs(x: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The reference: sort each row, walk down the distinct values in float64 (k >= V, p = 1 are off)."""
+    cuts = []
+    for row, kk, p in zip(x.double(), k, top_p, strict=True):
+        values = row.sort(descending=True).values
+        probs = torch.softmax(values, 0)
+        top_k_mass = probs[:kk].sum()
+        distinct, counts = torch.unique_consecutive(values, return_counts=True)
+        better = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])  # tokens strictly better
+        better_mass = (probs.cumsum(0) - probs)[better]
+        kept = (better < kk) & ((p >= 1.0) | (better_mass < p * top_k_mass))
+        cuts.append(distinct[kept][-1])
+    return torch.stack(cuts)[:, None].float()
+
+
+def radix_cutoffs(x: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Every row through the radix selection, none decided in the window."""
+    from replicas.sampling import _log_z, _masses, _radix_cutoffs
+
+    k_t, p_t = torch.tensor(k)[:, None], torch.tensor(top_p, dtype=torch.float64)[:, None]
+    return _radix_cutoffs(x, _masses(x, _log_z(x)), k_t, p_t, counted=True)
+
+
+def assert_cutoffs_match(x: torch.Tensor, k: list[int], top_p: list[float], cutoffs=None) -> int:
+    """The cut-offs keep exactly the reference's tokens, but where a row's nucleus boundary is
+    within float rounding of top_p; returns how many rows were that close."""
     from replicas.sampling import _cutoffs
 
-    V_big = 2000
-    x = torch.randn(8, V_big, generator=torch.Generator().manual_seed(5)) * torch.tensor(
-        [0.1, 0.5, 1, 2, 4, 8, 0.05, 3.0])[:, None]
-    ks = [0, 10, 0, 300, 0, 1, 1500, 0]
-    ps = [0.9, 0.5, 0.99, 0.95, 1.0, 0.3, 0.97, 0.2]
-    k_eff = [k if 0 < k < V_big else V_big for k in ks]
-    windowed = _cutoffs(x, k_eff, ps, window=16)
-    full = _cutoffs(x, k_eff, ps, window=V_big)
-    assert torch.equal(windowed, full)
+    kept = (x >= (cutoffs or _cutoffs)(x, k, top_p)).sum(-1)
+    strict = (x >= sorted_cutoffs(x, k, [p * (1 - 1e-6) if p < 1.0 else p for p in top_p])).sum(-1)
+    loose = (x >= sorted_cutoffs(x, k, [min(p * (1 + 1e-6), 1.0) for p in top_p])).sum(-1)
+    assert ((strict <= kept) & (kept <= loose)).all(), (kept, strict, loose)  # kept sets are nested
+    return int((strict != loose).sum())
+
+
+@pytest.mark.parametrize("vocab", [7, 50, 2000, 65536])
+@pytest.mark.parametrize("shape", ["flat", "peaked", "ties"])
+def test_cutoffs_equal_a_full_sort(vocab, shape):
+    """Flat rows go to the radix selection, peaked ones stay in the window; k and top_p mixed."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24 if vocab < 65536 else 8
+    ks = [0, 1, 2, 5, 40, 300, 1500, vocab - 1, vocab, vocab + 3, 0, 0]
+    ps = [1.0, 0.9, 0.5, 1e-6, 0.999, 0.2, 0.95, 0.7, 1.0, 0.9]
+    ambiguous = 0
+    for trial in range(3):
+        x = torch.randn(rows, vocab, generator=gen)
+        if shape == "peaked":
+            x *= 20
+        elif shape == "ties":
+            x = (x * 2).round()
+        k = [ks[(trial + i) % len(ks)] for i in range(rows)]
+        k = [kk if 0 < kk < vocab else vocab for kk in k]
+        if trial == 2:  # every k small: the window finds the k-th token, nothing is counted
+            k = [min(kk, 300) for kk in k]
+        p = [ps[(2 * trial + i) % len(ps)] for i in range(rows)]
+        ambiguous += assert_cutoffs_match(x, k, p)
+        ambiguous += assert_cutoffs_match(x, k, p, radix_cutoffs)
+    assert ambiguous <= 4
+
+
+def test_cutoffs_on_awkward_values():
+    """Zeros of both signs, -inf logits, one-value rows, and logits far from zero, both ways."""
+    x = torch.tensor([[0.0, -0.0, -0.0, 0.0, -1e-30, 1e-30],
+                      [float("-inf"), 3.0, float("-inf"), 3.0, 3.0, 1.0],
+                      [5.0] * 6,
+                      [1e30, -1e30, 2e30, 7.0, -3e38, 3e38]])
+    for k, p in (([6] * 4, [0.9] * 4), ([2] * 4, [1.0] * 4), ([1, 3, 5, 6], [0.3, 0.6, 0.99, 1e-3])):
+        assert assert_cutoffs_match(x, k, p) == 0
+        assert assert_cutoffs_match(x, k, p, radix_cutoffs) == 0
+
+
+def test_the_window_and_the_radix_selection_agree():
+    """A row is decided in its best tokens or by radix selection, by what its batch-mates ask
+    for: both ways must keep the same tokens."""
+    from replicas.sampling import _cutoffs
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 3000
+    x = torch.randn(32, vocab, generator=gen) * torch.tensor([0.5, 3, 10, 30] * 8)[:, None]
+    x[::3] = x[::3].round()
+    k = [[vocab, 1, 7, 200, 1000][i % 5] for i in range(32)]
+    p = [[0.9, 0.5, 1.0, 0.05, 0.99, 0.3, 0.999][i % 7] for i in range(32)]
+    assert torch.equal(x >= _cutoffs(x, k, p), x >= radix_cutoffs(x, k, p))
