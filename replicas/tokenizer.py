@@ -18,6 +18,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFBackend
 
+_UNSEEN = object()
+
 
 class Tokenizer(abc.ABC):
     """Text <-> token ids.
@@ -47,6 +49,19 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """The joined bytes of ``ids`` as UTF-8, invalid bytes replaced by U+FFFD."""
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str | None:
+        """The token's text when its bytes are whole UTF-8 characters, else None. Memoised
+        (an internal cache: what the tokenizer answers never changes)."""
+        texts = self.__dict__.setdefault("_texts", {})
+        text = texts.get(token_id, _UNSEEN)
+        if text is _UNSEEN:
+            try:
+                text = self.token_bytes(token_id).decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            texts[token_id] = text
+        return text
 
     def _check_id(self, token_id: int) -> None:
         # Negative ids would otherwise index a table from its end and decode silently.
@@ -348,6 +363,10 @@ class Utf8Stream:
 
     def push(self, token_id: int) -> str:
         """Complete text that ``token_id`` finishes; may be ""."""
+        if not self._pending:  # most tokens: whole characters after whole characters
+            text = self._tokenizer.token_text(token_id)
+            if text is not None:
+                return text
         data = self._pending + self._tokenizer.token_bytes(token_id)
         cut = len(data) - _unfinished_tail(data)
         self._pending = data[cut:]

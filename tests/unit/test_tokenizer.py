@@ -148,6 +148,15 @@ def test_world_decode_replaces_invalid_utf8(world):
     assert world.decode([0xE4 + 1, ord("a") + 1]) == "\ufffda"
 
 
+def test_token_text_is_whole_characters_or_none(world, id_of):
+    assert world.token_text(id_of[b"a"]) == "a"
+    assert world.token_text(ord("\xe4") + 1) is None  # the first byte of a character alone
+    assert world.token_text(id_of[b"\xf0\x9f"]) is None
+    assert world.token_text(id_of[b"a"]) == "a"  # memoised answers are the same
+    with pytest.raises(ValueError):
+        world.token_text(world.vocab_size)
+
+
 # --- Utf8Stream -------------------------------------------------------------------------
 
 
