@@ -72,12 +72,13 @@ def say(message: str) -> None:
 
 
 @torch.no_grad()
-def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> RWKV7:
-    """init_random's distributions, drawn on the GPU in the target dtype (a 7.2B model in seconds)."""
+def random_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0, device: str = "cuda") -> RWKV7:
+    """init_random's distributions, drawn on the device in the target dtype (on a GPU, a 7.2B model
+    in seconds)."""
     with torch.device("meta"):
         model = RWKV7(cfg)
-    model = model.to(dtype=dtype).to_empty(device="cuda").eval().requires_grad_(False)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    model = model.to(dtype=dtype).to_empty(device=device).eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(seed)
     C, F = cfg.n_embd, cfg.ffn_dim
 
     def normal(t, std):
