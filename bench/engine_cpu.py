@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -64,6 +65,13 @@ async def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int)
     """Aggregate generated tokens per second over concurrent requests (short prompts)."""
     # plain temperature sampling: a random model has no nucleus worth truncating to
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    return await generated_rate(engine, prompts, params)
+
+
+async def generated_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                         warm: Sequence[list[int]] = ()) -> float:
+    """Generated tokens/s of `prompts` sent at once, after an untimed run of `warm` (bench/gpu.py
+    warms Triton's compiles and the graphs' first replays with prompts of the same shapes)."""
 
     async def one(prompt):
         n = 0
@@ -72,6 +80,7 @@ async def decode_rate(engine: Engine, prompts: list[list[int]], new_tokens: int)
                 n += len(event.token_ids)
         return n
 
+    await asyncio.gather(*(one(p) for p in warm))
     start = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
     return sum(counts) / (time.perf_counter() - start)

@@ -395,6 +395,8 @@ def time_sampler(results: dict) -> None:
 
 def bench_engine(runner, results: dict) -> None:
     """Concurrent requests through the batcher (no Ray): generated tokens/s."""
+    from engine_cpu import generated_rate  # noqa: PLC0415 (bench/engine_cpu.py, beside this file)
+
     from replicas.engine import Engine, EngineConfig  # noqa: PLC0415
     from replicas.model.checkpoint import WORLD_VOCAB  # noqa: PLC0415
     from replicas.sampling import SamplingParams  # noqa: PLC0415
@@ -416,34 +418,13 @@ def bench_engine(runner, results: dict) -> None:
         warm, prompts = ([torch.randint(1, 65536, (64,), generator=gen).tolist() for _ in range(concurrency)]
                          for _ in range(2))
 
-        rate = asyncio.run(_engine_rate(engine, warm, prompts, params))
+        rate = asyncio.run(generated_rate(engine, prompts, params, warm))
         stats = engine.snapshot_stats()["counters"]
         engine.stop()
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rate, "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts, top-p 0.9): "
             f"{rate:,.0f} generated tokens/s; runner alone {raw:,.0f}")
-
-
-async def _engine_rate(engine, warm: list[list[int]], prompts: list[list[int]], params) -> float:
-    """Generated tokens/s of `prompts`, after a run of `warm` (other prompts of the same shapes,
-    so Triton's compiles and the graphs' first replays happen before the clock starts)."""
-    from replicas.engine import Delta, Request  # noqa: PLC0415
-
-    async def one(prompt):
-        n = 0
-        async for event in engine.generate(Request(prompt, params)):
-            if isinstance(event, Delta):
-                n += len(event.token_ids)
-        return n
-
-    await asyncio.gather(*(one(p) for p in warm))
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one(p) for p in prompts))
-    return sum(counts) / (time.perf_counter() - start)
-
-
-# -- the rwkv package (child process) -----------------------------------------------------------
 
 
 def rwkv_child(name: str, out: Path, budget: float) -> None:

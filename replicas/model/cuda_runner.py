@@ -134,7 +134,6 @@ class CudaRunner(SlotStates):
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool = None
         self.buckets = _buckets(max_slots)
-        self.fla_state_bv: int | None = None  # value block of fla's state pass (None: by occupancy)
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -236,7 +235,7 @@ class CudaRunner(SlotStates):
                 rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
                 out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
                 K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
-                lora = _wavg(out.view(B, 4, C).unbind(1))
+                lora = _kernel_order(out.view(B, 4, C).unbind(1))
                 y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
@@ -268,7 +267,7 @@ class CudaRunner(SlotStates):
         hidden = torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t)  # from xv, xw, xa, xg
         hidden[1].tanh_()
         hidden[3].sigmoid_()
-        return rkv, _wavg(torch.bmm(hidden, lw.w2_t).unbind(0))
+        return rkv, _kernel_order(torch.bmm(hidden, lw.w2_t).unbind(0))
 
     def _ffn(self, lw: _Layer, kin: Tensor) -> Tensor:
         k = K.relu2_(torch.mm(kin, lw.wfk.t()))
@@ -331,7 +330,7 @@ class CudaRunner(SlotStates):
                 lora_out = torch.empty(T, 4 * C, device=dev, dtype=torch.float32)
                 K.gemv(proj, lw.w2, lora_out, T, table=self.table_lora2, n_sm=self.n_sm)
                 rkv = [proj[:, j * C:(j + 1) * C] for j in range(3)]
-                lora = _wavg(lora_out.view(T, 4, C).unbind(1))
+                lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
                 rkv, lora = self._projections(lw, mixed, T)
             w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
@@ -369,7 +368,7 @@ class CudaRunner(SlotStates):
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
         T, H, N = r.shape[0], self.H, self.N
         s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
-        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch, self.fla_state_bv)
+        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch)
         state.index_copy_(0, batch.slots, s1.transpose(-1, -2))
         return o.view(T, self.C)
 
@@ -446,7 +445,7 @@ class CudaRunner(SlotStates):
             return "recurrent"
 
 
-def _wavg(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _kernel_order(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The LoRA outputs from LORAS order (v, w, a, g) to the kernels' (w, a, v, g)."""
     v, w, a, g = lora
     return w, a, v, g
@@ -504,40 +503,12 @@ def _pin_autotuners(prefix: str) -> None:
                 value, seen = getattr(value, "fn", None), seen + 1
 
 
-def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch, state_bv: int | None = None) -> tuple[Tensor, Tensor]:
-    """fla-core 0.6's chunk_dplr_fwd, stage by stage below its autograd wrapper: the chunk index
-    comes from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy), and
-    the state pass between chunks (serial along each row) splits the value dimension so that one
-    long row still fills the GPU: fla fixes 64-wide blocks on Hopper, one program per head."""
-    from fla.ops.generalized_delta_rule.dplr.chunk_A_fwd import chunk_dplr_fwd_intra  # noqa: PLC0415
-    from fla.ops.generalized_delta_rule.dplr.chunk_h_fwd import chunk_dplr_fwd_kernel_h  # noqa: PLC0415
-    from fla.ops.generalized_delta_rule.dplr.chunk_o_fwd import chunk_dplr_fwd_o  # noqa: PLC0415
-    from fla.ops.generalized_delta_rule.dplr.wy_fast_fwd import prepare_wy_repr_fwd  # noqa: PLC0415
-    from fla.ops.rwkv6.chunk import chunk_rwkv6_fwd_cumsum  # noqa: PLC0415
-    from fla.ops.utils.constant import RCP_LN2  # noqa: PLC0415
-
-    _fla_import()
-    BT, cu, idx = FLA_CHUNK, batch.cu_seqlens, batch.chunk_indices
-    gi, ge = chunk_rwkv6_fwd_cumsum(w_log, BT, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
-    A_ab, A_qk, A_ak, A_qb, qg, kg, ag, bg = chunk_dplr_fwd_intra(
-        q=r, k=k, a=a, b=b, gi=gi, ge=ge, scale=1.0, cu_seqlens=cu, safe_gate=True, chunk_size=BT,
-        chunk_indices=idx)
-    w, u, _ = prepare_wy_repr_fwd(ag=ag, A_ab=A_ab, A_ak=A_ak, v=v, cu_seqlens=cu, chunk_size=BT,
-                                  chunk_indices=idx, safe_gate=True)
-    _, T, H, N = kg.shape
-    n_rows = s0.shape[0]
-    if state_bv is None:  # value blocks: enough programs for the multiprocessors, at most 64 wide
-        n_sm = torch.cuda.get_device_properties(r.device).multi_processor_count
-        state_bv = 64
-        while state_bv > 16 and n_rows * H * (N // state_bv) < n_sm:
-            state_bv //= 2
-    h = kg.new_empty(1, idx.shape[0], H, N, N)
-    s1 = torch.empty(n_rows, H, N, N, device=r.device, dtype=torch.float32)
-    v_new = torch.empty_like(u)
-    offsets = torch.nn.functional.pad(torch.diff(cu).add_(BT - 1).div_(BT, rounding_mode="floor"), (1, 0)).cumsum(0)
-    chunk_dplr_fwd_kernel_h[(N // state_bv * n_rows * H,)](
-        kg=kg, v=v, w=w, bg=bg, u=u, v_new=v_new, h=h, gk=gi, h0=s0, ht=s1, cu_seqlens=cu, chunk_offsets=offsets,
-        T=T, H=H, K=N, V=N, BT=BT, BC=min(BT, 64), BK=N, BV=state_bv)
-    o = chunk_dplr_fwd_o(qg=qg, v=v, v_new=v_new, A_qk=A_qk, A_qb=A_qb, h=h, cu_seqlens=cu, chunk_size=BT,
-                         chunk_indices=idx)
+def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch) -> tuple[Tensor, Tensor]:
+    """fla-core 0.6's forward, called below its autograd wrapper so that the chunk index comes
+    from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy)."""
+    chunk_dplr_fwd = _fla_import()
+    o, s1, _, _ = chunk_dplr_fwd(
+        q=r, k=k, v=v, a=a, b=b, gk=w_log, scale=1.0, initial_state=s0, output_final_state=True,
+        cu_seqlens=batch.cu_seqlens, chunk_size=FLA_CHUNK, safe_gate=True, chunk_indices=batch.chunk_indices,
+    )
     return o, s1
