@@ -51,7 +51,7 @@ ZERO_NAMESPACE = ""  # cache namespace of requests that start from the zero stat
 
 class EngineConfig(BaseModel):
     max_slots: int = Field(8, ge=1, description="rows of the state tensors: sequences in flight")
-    max_waiting: int = Field(64, ge=0, description="requests queued for a slot before submit says busy")
+    max_waiting: int = Field(64, ge=0, description="requests beyond max_slots in flight before submit says busy")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled per step, all rows")
     token_chunk_size: int = Field(256, ge=1, description="prompt tokens one row prefills per step")
     checkpoint_interval: int = Field(512, ge=1, description="a long prefill is cached every this many tokens")
@@ -215,7 +215,9 @@ class Engine:
         self._uids = itertools.count(1)
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
-        self._queued = 0  # submitted and not yet holding a slot (guarded by _lock)
+        # submitted and not yet ended (guarded by _lock): counted from submit, on the caller's
+        # thread, so that a burst is bounded before the engine thread has admitted any of it
+        self._in_flight = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -239,10 +241,10 @@ class Engine:
         self._validate(request)
         init = self.resolve_init_state(request.init_state)
         with self._lock:
-            if self._queued >= self.config.max_waiting:
+            if self._in_flight >= self.config.max_slots + self.config.max_waiting:
                 self.stats["busy_refusals"] += 1
                 raise EngineBusy()
-            self._queued += 1
+            self._in_flight += 1
         uid = next(self._uids)
         stream = RequestStream(self, uid, asyncio.get_running_loop())
         p = request.params
@@ -378,8 +380,6 @@ class Engine:
             if choice is None:
                 return
             self._waiting.popleft()
-            with self._lock:
-                self._queued -= 1
             if choice.kind is Choice.BACK:
                 self._back_up(choice.slot, choice.namespace, choice.prefix)
             self._idle_logits.pop(choice.slot, None)
@@ -504,10 +504,10 @@ class Engine:
         """Ends a row however it ended: frees its slot, publishes its state, answers once."""
         if self._rows.pop(row.uid, None) is None:
             return  # already answered
+        with self._lock:
+            self._in_flight -= 1
         if row.slot is None:
             self._waiting.remove(row)
-            with self._lock:
-                self._queued -= 1
         elif reason == "error":
             self._reset_quietly(row.slot)  # a failed call may have left the row half-written
             self.slots.release(row.slot)
@@ -589,7 +589,7 @@ class Engine:
                 assert self.slots.holder(row.slot) == row.uid, f"row {row.uid} and slot {row.slot} disagree"
         assert all(row.slot is None for row in self._waiting)
         with self._lock:
-            assert self._queued >= len(self._waiting)
+            assert self._in_flight >= len(self._rows)
         assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
         self.cache.check_integrity()
 
