@@ -25,9 +25,22 @@ def idle(client) -> dict | None:
     return s if slots["busy"] == 0 and slots["wait"] == 0 and s["total"]["waiting"] == 0 else None
 
 
+def settled_generated(client) -> int:
+    """The generated-token total once no slot is in use and it stays put across a metrics push
+    (replicas push every second: one push can still predate the previous test's last tokens)."""
+    seen = []
+
+    def steady() -> bool:
+        s = idle(client)
+        seen.append(None if s is None else s["total"]["counters"].get("generated_tokens", 0))
+        return len(seen) > 1 and seen[-1] is not None and seen[-1] == seen[-2]
+
+    wait_for(steady, interval=1.5, what="settled token counts")
+    return seen[-1]
+
+
 def test_metrics_add_up_across_replicas(client):
-    wait_for(lambda: idle(client), what="idle replicas")
-    before = generated(client)
+    before = settled_generated(client)
     usages = []
     for i in range(6):
         response = client.post("/v1/completions", json={"prompt": f"count {i}", "max_tokens": 7 + i})
