@@ -2,7 +2,7 @@
 next to the GPU's limits, all measured in one run; plus the engine's own throughput.
 
 For random-init models of the released shapes (0.1B L12 C768, 1.5B L24 C2048, 7.2B L32 C4096;
-vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly on the GPU in bf16:
+vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly on the GPU in fp16 (the runner's dtype):
   * exactness first: prefill, decode graphs (gemv and cuBLAS paths) and a mixed step against the
     fp32 reference (rwkv7.py through ModelRunner) on the same weights: ‖Δ‖/‖ref‖ ≤ 1e-2;
   * decode tokens/s at batch 1, 8, 64, 256 (runner.decode: host copy + graph replay + logits copy);
@@ -175,7 +175,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.no_grad()
 def exactness(model: RWKV7, runner) -> dict[str, float]:
-    """Our paths against the fp32 reference on the same (bf16) weights; relative logit errors."""
+    """Our paths against the fp32 reference on the same (fp16) weights; relative logit errors."""
     from replicas.model.runner import ModelRunner  # noqa: PLC0415
 
     with torch.device("meta"):
@@ -216,15 +216,15 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
             worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
         errors[name] = worst
     runner.small_batch, runner.auto_path = saved
-    # for scale: the same math in plain torch bf16 (rwkv7.py on the bf16 weights) on the same inputs
+    # for scale: the same math in plain torch fp16 (rwkv7.py on the fp16 weights) on the same inputs
     plain = ModelRunner(model, max_slots=8)
     for slot in slots:
         plain.reset(slot)
-    errors["(torch bf16, for scale) prefill"] = rel_err(plain.prefill(slots, chunks), expected)
+    errors["(torch fp16, for scale) prefill"] = rel_err(plain.prefill(slots, chunks), expected)
     for slot in slots:
         plain.write_state(slot, reference.read_state(slot))
     t = toks(len(slots))
-    errors["(torch bf16, for scale) decode"] = rel_err(plain.decode(slots, t), reference.decode(slots, t))
+    errors["(torch fp16, for scale) decode"] = rel_err(plain.decode(slots, t), reference.decode(slots, t))
     for slot in slots:  # back in step with our runner
         reference.write_state(slot, runner.read_state(slot))
     del plain
@@ -261,16 +261,24 @@ def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
     return batch * steps / elapsed
 
 
-def time_prefill(runner, rows: int, length: int, reps: int = 3) -> float:
+def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = True) -> float:
+    """A prefill shape that recurs (its CUDA graph replayed), or with graph=False, every call's
+    kernels launched one by one (what a shape seen for the first time costs)."""
     slots = list(range(rows))
     chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
-    runner.prefill(slots, chunks)  # compile, autotune, allocate
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        runner.prefill(slots, chunks)
-    torch.cuda.synchronize()
-    return rows * length * reps / (time.perf_counter() - start)
+    saved = runner.prefill_graphs
+    runner.prefill_graphs = saved if graph else 0
+    try:
+        for _ in range(2):  # compile, allocate; the second sight of a shape captures its graph
+            runner.prefill(slots, chunks)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            runner.prefill(slots, chunks)
+        torch.cuda.synchronize()
+        return rows * length * reps / (time.perf_counter() - start)
+    finally:
+        runner.prefill_graphs = saved
 
 
 def bench_ours(name: str, args, results: dict) -> None:
@@ -278,7 +286,7 @@ def bench_ours(name: str, args, results: dict) -> None:
 
     cfg = SHAPES[name]
     say(f"{name}: building a random model on the GPU")
-    model = random_model(cfg, torch.bfloat16)
+    model = random_model(cfg, torch.float16)  # the runner's dtype (cuda_runner.py says why fp16)
     batches = [b for b in DECODE_BATCHES]
     runner = CudaRunner(model, max_slots=max(batches))
     say(f"{name}: prefill wkv = {runner.prefill_wkv}; exactness against the fp32 reference")
@@ -321,7 +329,9 @@ def bench_ours(name: str, args, results: dict) -> None:
         try:
             rate = time_prefill(runner, rows, length)
             results["ours"][f"{name}|{case}"] = rate
-            say(f"{name}: {case}: {rate:,.0f} tokens/s")
+            eager = time_prefill(runner, rows, length, graph=False)
+            results["explore"][f"{name}|{case} without graph"] = eager
+            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     if args.explore and runner.prefill_wkv == "chunked" and not late(args):
@@ -353,11 +363,12 @@ def profile(runner) -> None:
     from torch.profiler import profile as torch_profile  # noqa: PLC0415
 
     chunk = torch.randint(0, runner.vocab_size, (4096,)).tolist()
-    cases = [("prefill 1×4096", lambda: runner.prefill([0], [chunk]))]
+    cases = [("prefill 1×4096", lambda: runner.prefill([0], [chunk]))]  # kernel by kernel (no graph, below)
     for batch in (1, 256):
         tokens = torch.randint(0, runner.vocab_size, (batch,)).tolist()
         cases.append((f"decode {batch} (5 steps)", lambda b=batch, t=tokens: [runner.decode(list(range(b)), t)
                                                                               for _ in range(5)]))
+    saved, runner.prefill_graphs = runner.prefill_graphs, 0
     for label, fn in cases:
         fn()
         torch.cuda.synchronize()
@@ -369,6 +380,7 @@ def profile(runner) -> None:
         say(f"profile {label}: {total / 1e3:.2f} ms of kernels")
         for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
             say(f"    {e.device_time_total / 1e3:8.3f} ms {e.count:5d}×  {e.key[:110]}")
+    runner.prefill_graphs = saved
 
 
 def time_sampler(results: dict) -> None:

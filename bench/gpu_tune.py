@@ -3,8 +3,8 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
 
   gemv     every FMA and tensor-core configuration on the decode products of the released shapes
            (one row and eight), cold weights (copies cycled past the L2), GB/s of weight bytes
-  decode   runner.decode at batch 1 to 256, the time-mix core's warps; prefill with the LayerNorm
-           kernels' warps; a kernel profile
+  decode   runner.decode at batch 1 to 256 and prefill (graph and no graph), with programmatic
+           dependent launch on and off; a kernel profile
 
     python bench/gpu_tune.py [--parts gemv,decode] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
@@ -111,38 +111,33 @@ def tune_gemv(models: list[str], bandwidth: float, results: dict) -> None:
 
 
 def tune_decode(models: list[str], results: dict) -> None:
-    """Decode at each batch, the time-mix core's warps at 256 rows, prefill with the LayerNorm
-    kernels' warps, and a kernel profile, per model."""
+    """Decode at each batch and prefill (graph replayed, and launched kernel by kernel), with
+    programmatic dependent launch on and off; then a kernel profile, per model."""
     from gpu import profile  # noqa: PLC0415
 
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
 
     for name in models:
-        model = random_model(SHAPES[name], torch.bfloat16)
+        model = random_model(SHAPES[name], torch.float16)
         runner = CudaRunner(model, max_slots=256)
         del model
-        for batch in (1, 2, 8, 64, 256):
-            rate = time_decode(runner, batch)
-            results["decode"][f"{name}|b{batch}"] = rate
-            say(f"decode {name} batch {batch}: {rate:,.0f} tokens/s (gemv path: {runner.path_choice.get(batch)})")
-        default = K.WKV_DECODE_WARPS
-        for warps in (2, 4, 8):
-            K.WKV_DECODE_WARPS = warps
+        for pdl in (True, False) if runner.pdl else (False,):
+            K.PDL = pdl
             runner._graphs.clear()
+            runner._prefill_graphs.clear()
+            runner._prefill_seen.clear()
             runner._pool = None  # a pool whose graphs are gone cannot take new captures
-            rate = time_decode(runner, 256)
-            results["decode"][f"{name}|wkv warps {warps}|b256"] = rate
-            say(f"decode {name} time-mix core {warps} warps, batch 256: {rate:,.0f} tokens/s")
-        K.WKV_DECODE_WARPS = default
-        for ln_warps in (None, 8, 16):
-            K.LN_WARPS = ln_warps
-            for rows, length in ((1, 4096), (16, 1024)):
-                rate = time_prefill(runner, rows, length)
-                results["prefill"][f"{name}|ln warps {ln_warps}|{rows}x{length}"] = rate
-                say(f"prefill {name} LayerNorm warps {ln_warps}, {rows}×{length}: {rate:,.0f} tokens/s")
-        K.LN_WARPS = None
-        runner._graphs.clear()
-        runner._pool = None
+            for batch in (1, 2, 8, 64, 256):
+                rate = time_decode(runner, batch)
+                results["decode"][f"{name}|pdl {pdl}|b{batch}"] = rate
+                say(f"decode {name} PDL {pdl} batch {batch}: {rate:,.0f} tokens/s "
+                    f"(gemv path: {runner.path_choice.get(batch)})")
+            for graph in (True, False):
+                for rows, length in ((1, 4096), (16, 1024)):
+                    rate = time_prefill(runner, rows, length, graph=graph)
+                    results["prefill"][f"{name}|pdl {pdl}|graph {graph}|{rows}x{length}"] = rate
+                    say(f"prefill {name} PDL {pdl} graph {graph} {rows}×{length}: {rate:,.0f} tokens/s")
+        K.PDL = runner.pdl
         if name != "0.1b":
             profile(runner)
         del runner

@@ -1,6 +1,6 @@
 """The CUDA model runner: RWKV-7 over a slot table on one GPU, with the contract of runner.py.
 
-Owns the packed bf16 weights, the fp32 states of `max_slots` slots plus one scratch slot, the
+Owns the packed fp16 weights, the fp32 states of `max_slots` slots plus one scratch slot, the
 CUDA graphs of the decode step, and the choice of kernels. Knows nothing of requests or
 sampling (the engine samples the logits where they are, on the GPU).
 
@@ -18,7 +18,10 @@ pad a bucket run on the scratch slot. Per layer:
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
 recurrence in the chunked parallel form (fla-core's chunk_rwkv7 with cu_seqlens) or, without
 fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
-host synchronisation: inputs reach the GPU in one asynchronous copy per call.
+host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
+before replay a CUDA graph of the call.
+Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
+starts while its predecessor finishes, reading its first weights meanwhile.
 
 The math is rwkv7.py's; tests/gpu check every path against it in fp32.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +52,7 @@ LORAS = ("v", "w", "a", "g")  # the mixed buffer's order of their inputs (column
 AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
+PREFILL_GRAPHS = 16  # prefill shapes (row lengths) kept as CUDA graphs, least recently used dropped
 
 
 @dataclass
@@ -96,7 +101,10 @@ def _buckets(max_rows: int) -> list[int]:
 class CudaRunner(SlotStates):
     """RWKV-7 on one CUDA device; prefill/decode/read_state/write_state/reset as runner.py says.
 
-    dtype: weights and activations between kernels (bf16; fp16 works too); states stay fp32.
+    dtype: weights and activations between kernels; states stay fp32. fp16 by default: its three
+      more mantissa bits than bf16 make the activations entering the tensor cores 8x closer to fp32
+      (the bf16 paths miss 1e-2 of the fp32 logits on random 1.5B/7.2B models; tools/bf16_error.py),
+      at the same speed. bf16 works too.
     graphs: capture decode steps as CUDA graphs (default: on a CUDA device).
     small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS
       (when auto_path is off; auto_path, the default with graphs, times both graphs of each
@@ -105,7 +113,7 @@ class CudaRunner(SlotStates):
     """
 
     def __init__(
-        self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.bfloat16, graphs: bool | None = None,
+        self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.float16, graphs: bool | None = None,
         small_batch: int = 16, prefill_wkv: str = "auto", auto_path: bool | None = None,
     ):
         self.config = cfg = model.config
@@ -125,6 +133,7 @@ class CudaRunner(SlotStates):
         self.n_in = 3 * self.C + sum(self.padded)
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
+        self.pdl = K.enable_pdl(self.device) if os.environ.get("RWKV_FLEET_PDL") != "0" else False
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
@@ -132,6 +141,9 @@ class CudaRunner(SlotStates):
         self._mm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.prefill_graphs = PREFILL_GRAPHS  # prefill shapes kept as graphs (0: none)
+        self._prefill_graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = OrderedDict()
+        self._prefill_seen: OrderedDict[tuple, None] = OrderedDict()
         self._pool = None
         self.buckets = _buckets(max_slots)
 
@@ -139,11 +151,46 @@ class CudaRunner(SlotStates):
 
     @torch.no_grad()
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
-        """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32."""
+        """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32.
+
+        A call whose row lengths were seen before runs as a CUDA graph (captured on the second
+        sight, up to `prefill_graphs` shapes kept, least recently used dropped): a long prompt's
+        equal chunks, a benchmark's repeats. Other calls launch their kernels one by one, which
+        costs about a millisecond of host time per layer (fla's launches most of it).
+        """
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
-        return self._prefill_body(self._batch(rows, chunks))
+        host, layout = self._batch_fields(rows, chunks)
+        key = (tuple(len(c) for c in chunks), self.prefill_wkv)
+        graph = self._prefill_graph(key, host, layout) if self.graphs and self.prefill_graphs else None
+        if graph is None:
+            return self._prefill_body(self._batch_views(self._to_device(host), layout))
+        captured, static, logits = graph
+        static.copy_(self._pinned(host), non_blocking=True)
+        captured.replay()
+        return logits.clone()  # the graph's buffer is rewritten by the next replay
+
+    def _prefill_graph(self, key, host: Tensor, layout) -> tuple | None:
+        """The graph of a prefill shape seen before (captured now if need be); None on first sight."""
+        if key in self._prefill_graphs:
+            self._prefill_graphs.move_to_end(key)
+            return self._prefill_graphs[key]
+        if key not in self._prefill_seen:
+            self._prefill_seen[key] = None
+            if len(self._prefill_seen) > 4 * self.prefill_graphs:
+                self._prefill_seen.popitem(last=False)
+            return None
+        static = torch.empty_like(host, device=self.device)  # the graph's input, rewritten before each replay
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._prefill_body(self._batch_views(static, layout))
+        self._prefill_graphs[key] = (graph, static, logits)
+        while len(self._prefill_graphs) > self.prefill_graphs:
+            self._prefill_graphs.popitem(last=False)
+        return self._prefill_graphs[key]
 
     @torch.no_grad()
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
@@ -220,7 +267,7 @@ class CudaRunner(SlotStates):
         """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V].
 
         small: the gemv path, fp32 between kernels (activations enter the products as hi + lo
-        bf16 parts, so only the weights are rounded); else cuBLAS, bf16 between kernels.
+        fp16 parts, so only the weights are rounded); else cuBLAS, fp16 between kernels.
         """
         st, C, dev = self.states, self.C, self.device
         act = torch.float32 if small else self.dtype
@@ -275,9 +322,9 @@ class CudaRunner(SlotStates):
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _batch(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> _Batch:
-        """The call's index tensors, built with tensor ops on the host (a Python loop over 16k
-        tokens costs milliseconds) and sent in one pinned asynchronous copy."""
+    def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[Tensor, tuple]:
+        """The call's index tensors as one flat int64 host tensor, built with tensor ops (a Python
+        loop over 16k tokens costs milliseconds), and the layout that _batch_views splits it by."""
         R = len(rows)
         lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
         cu = F.pad(lengths.cumsum(0), (1, 0))
@@ -294,11 +341,20 @@ class CudaRunner(SlotStates):
             row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
             first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
             fields.append(torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1).view(-1))
-        host = torch.cat(fields)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # pinned: a true async copy (from pageable memory it may sync)
-        dev = host.to(self.device, non_blocking=True)
-        views = dev.split([f.shape[0] for f in fields])
+        return torch.cat(fields), (tuple(f.shape[0] for f in fields), R, cu, chunked)
+
+    def _pinned(self, host: Tensor) -> Tensor:
+        # pinned: a true async copy (from pageable memory it may sync)
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def _to_device(self, host: Tensor) -> Tensor:
+        return self._pinned(host).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _batch_views(dev: Tensor, layout: tuple) -> _Batch:
+        """_Batch over the fields of one device tensor (new views each time: fla caches by identity)."""
+        sizes, R, cu, chunked = layout
+        views = dev.split(sizes)
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], lasts=views[3], slots=views[4],
             rows=views[5].view(R, 3), cu_seqlens=views[6], cu_seqlens_cpu=cu,
@@ -307,13 +363,13 @@ class CudaRunner(SlotStates):
 
     def _prefill_body(self, batch: _Batch) -> Tensor:
         """All rows' tokens through the layers. Up to EXACT_PREFILL tokens: the gemv products with
-        fp32 between kernels (and the recurrent kernel); more: cuBLAS, bf16, the chunked kernel."""
+        fp32 between kernels (and the recurrent kernel); more: cuBLAS, fp16, the chunked kernel."""
         st, C, H, dev = self.states, self.C, self.H, self.device
         T, R = batch.tokens.shape[0], batch.slots.shape[0]
         exact = T <= EXACT_PREFILL
         act = torch.float32 if exact else self.dtype
         wkv = "recurrent" if exact else self.prefill_wkv
-        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # fla's kernels take bf16
+        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # fla's kernels take fp16/bf16
         x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
         x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
         v_first = torch.empty(T, C, device=dev, dtype=act)
@@ -355,7 +411,7 @@ class CudaRunner(SlotStates):
         return self._mm_f32(hn, self.head.t())
 
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
-        """a · wᵀ: fp32 from the gemv (split-K, added into zeros) or bf16 from cuBLAS."""
+        """a · wᵀ: fp32 from the gemv (split-K, added into zeros) or fp16 from cuBLAS."""
         if not exact:
             return torch.mm(a, w.t())
         out = torch.zeros(a.shape[0], w.shape[0], device=self.device, dtype=torch.float32)
@@ -422,7 +478,7 @@ class CudaRunner(SlotStates):
             [(C, self.hidden_cols[g], self.padded[g], K.ACT_NONE, g * C) for g in range(4)], self.device)
 
     def _pick_f32_matmul(self):
-        """bf16 × bf16 -> fp32 logits in one cuBLAS call where torch offers it."""
+        """fp16 × fp16 -> fp32 logits in one cuBLAS call where torch offers it."""
         a = torch.ones(2, 32, device=self.device, dtype=self.dtype)
         try:
             torch.mm(a, a.t(), out_dtype=torch.float32)

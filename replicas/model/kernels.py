@@ -6,11 +6,11 @@ CPU under TRITON_INTERPRET=1.
 
 Layouts (T = tokens or decode rows, C = n_embd, H heads of N, slot = a row of the state tensors):
     x          [T, C]      fp32  the residual stream
-    mixed      [T, G·C]    bf16  token-shift mixes, group-major: time mix G = 6 (r, k, v, w, a, g),
+    mixed      [T, G·C]    fp16  token-shift mixes, group-major: time mix G = 6 (r, k, v, w, a, g),
                                  channel mix G = 1
     shift      [S, C]      fp32  one layer's token-shift state (att or ffn)
     wkv        [S, H, N, N] fp32 one layer's wkv state: rows = value index, columns = key index
-    proj       [T, 3C + Rp] bf16 decode: r | k | v | the four LoRA hiddens (activated), padded
+    proj       [T, 3C + Rp] fp16 decode: r | k | v | the four LoRA hiddens (activated), padded
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 DECAY_SCALE = 0.606531  # as in rwkv7.py: w = exp(-DECAY_SCALE · sigmoid(·))
 LN_EPS = 1e-5
@@ -27,6 +28,32 @@ GN_EPS = 64e-5
 
 ACT_NONE, ACT_TANH, ACT_SIGMOID, ACT_RELU2 = 0, 1, 2, 3
 EPI_STORE, EPI_ATOMIC_ADD = 0, 1  # gemv epilogues: store (in Y's dtype), or add into fp32 Y
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while its
+# predecessor in the stream finishes. Each of these kernels loads only data no kernel writes
+# (weights, tables) before `_after_predecessor`, which waits until the predecessor has finished
+# and its writes are visible, then lets the next kernel launch. Every kernel here calls it, so
+# the chain stays in order (at most two kernels in flight). Set by the runner (enable_pdl).
+PDL = False
+
+
+def enable_pdl(device: torch.device) -> bool:
+    """Turns PDL on for launches on this device where it has it (sm_90+); returns whether it did."""
+    global PDL
+    PDL = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL
+
+
+def _pdl() -> dict:
+    return {"PDL": True, "launch_pdl": True} if PDL else {"PDL": False}
+
+
+@triton.jit
+def _after_predecessor(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def _pow2(n: int) -> int:
@@ -55,7 +82,8 @@ def _layernorm(x, w_ptr, b_ptr, cols, mask, C, eps):
 
 
 @triton.jit
-def _embed_ln_kernel(tok_ptr, emb_ptr, w_ptr, b_ptr, x_ptr, C, eps, BLOCK_C: tl.constexpr):
+def _embed_ln_kernel(tok_ptr, emb_ptr, w_ptr, b_ptr, x_ptr, C, eps, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    _after_predecessor(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -68,7 +96,7 @@ def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.
     """x [T, C] fp32 = LayerNorm(emb[tokens]) (block 0's ln0)."""
     T, C = tokens.shape[0], emb.shape[1]
     x = torch.empty(T, C, device=emb.device, dtype=torch.float32)
-    _embed_ln_kernel[(T,)](tokens, emb, w, b, x, C, LN_EPS, BLOCK_C=_pow2(C), num_warps=4)
+    _embed_ln_kernel[(T,)](tokens, emb, w, b, x, C, LN_EPS, BLOCK_C=_pow2(C), num_warps=4, **_pdl())
     return x
 
 
@@ -76,9 +104,10 @@ def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.
 def _ln_shift_mix_kernel(
     x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, cols_per, eps,
     HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (token, column block): the statistics need the whole row, the stores only the block's
+    _after_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * cols_per
     cols = tl.arange(0, BLOCK_C)
@@ -142,14 +171,15 @@ def ln_shift_mix(
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
         tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, cols_per, LN_EPS,
         HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill,
-        NMIX=G, BLOCK_C=_pow2(C), num_warps=LN_WARPS or (4 if C <= 2048 else 8),
+        NMIX=G, BLOCK_C=_pow2(C), num_warps=LN_WARPS or (4 if C <= 2048 else 8), **_pdl(),
     )
     return out
 
 
 @triton.jit
 def _add_ln_kernel(x, dx, sel, ln_w, ln_b, out, C, eps, HAS_DX: tl.constexpr, HAS_SEL: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
+                   BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    _after_predecessor(PDL)
     i = tl.program_id(0).to(tl.int64)
     t = tl.load(sel + i).to(tl.int64) if HAS_SEL else i
     cols = tl.arange(0, BLOCK_C)
@@ -169,7 +199,7 @@ def add_ln(x: torch.Tensor, dx: torch.Tensor | None, ln_w: torch.Tensor, ln_b: t
     out = torch.empty(n, C, device=x.device, dtype=out_dtype)
     _add_ln_kernel[(n,)](x, dx if dx is not None else x, sel if sel is not None else x, ln_w, ln_b, out, C,
                          LN_EPS, HAS_DX=dx is not None, HAS_SEL=sel is not None, BLOCK_C=_pow2(C),
-                         num_warps=4 if C <= 2048 else 8)
+                         num_warps=4 if C <= 2048 else 8, **_pdl())
     return out
 
 
@@ -180,7 +210,7 @@ def add_ln(x: torch.Tensor, dx: torch.Tensor | None, ln_w: torch.Tensor, ln_b: t
 #   masks along K). "Grouped": each BLOCK_N block of output columns has its own input columns, K
 #   and activation (r/k/v and the four LoRA first stages in one launch). EPI_ATOMIC_ADD splits K
 #   over programs and adds into an fp32 Y (the residual stream).
-#   SPLIT_A: A is fp32 and enters the tensor cores as hi + lo bf16 parts, two products per W tile:
+#   SPLIT_A: A is fp32 and enters the tensor cores as hi + lo parts in W's dtype, two products per W tile:
 #   the activations keep ~16 mantissa bits at no cost in bytes of W (decode is bound by those).
 # --------------------------------------------------------------------------------------------
 
@@ -193,13 +223,23 @@ def _activate(y, act):
     return tl.where(act == 3, r * r, y)
 
 
+@triton.jit
+def _mma(acc, a, w, SPLIT_A: tl.constexpr):
+    """acc + a · w on the tensor cores; SPLIT_A: a fp32 as hi + lo parts in w's dtype."""
+    if SPLIT_A:
+        hi = a.to(w.dtype)
+        acc += tl.dot(hi, w)
+        return acc + tl.dot((a - hi.to(tl.float32)).to(w.dtype), w)
+    return acc + tl.dot(a.to(w.dtype), w)
+
+
 # Sizes that change with the batch or the model are not specialised on (one compile serves all);
 # strides are, so that loads of rows stay 16-byte wide.
 @triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_kernel(
     A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
     GROUPED: tl.constexpr, SPLIT_A: tl.constexpr, EPI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -224,17 +264,16 @@ def _gemv_kernel(
     n_mask = offs_n[:, None] < N
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
     w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+    # the first tile of W is loaded before waiting for the kernel that writes A (PDL)
+    k_lo = tl.multiple_of(k_lo, BLOCK_K)
+    w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0)
+    _after_predecessor(PDL)
+    a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0)
+    acc = _mma(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, tl.trans(w), SPLIT_A)
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
         w = tl.trans(tl.load(w_rows + k0, mask=n_mask, other=0.0))
-        a = tl.load(a_rows + k0, mask=m_mask, other=0.0)
-        if SPLIT_A:
-            hi = a.to(W.dtype.element_ty)
-            acc += tl.dot(hi, w)
-            acc += tl.dot((a - hi.to(tl.float32)).to(W.dtype.element_ty), w)
-        else:
-            acc += tl.dot(a.to(W.dtype.element_ty), w)
+        acc = _mma(acc, tl.load(a_rows + k0, mask=m_mask, other=0.0), w, SPLIT_A)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
     y_mask = m_mask & (offs_n[None, :] < N)
     if EPI == 1:
@@ -247,6 +286,7 @@ def _gemv_kernel(
 def _gemv_fma_kernel(
     A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
     GROUPED: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The same product for a few rows on the FMA units: fp32 activations as they are, each thread
     keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end."""
@@ -272,8 +312,12 @@ def _gemv_fma_kernel(
     n_mask = offs_n[:, None] < N
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
     w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+    k_lo = tl.multiple_of(k_lo, BLOCK_K)
+    w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0).to(tl.float32)  # before the wait (PDL)
+    _after_predecessor(PDL)
+    a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
+    acc = w[None, :, :] * a[:, None, :]
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
         w = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
         a = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
@@ -353,7 +397,7 @@ def gemv(
     (grouped: y [≥m, table.width], the table says which rows of w and columns of a each block uses).
 
     Up to FMA_ROWS rows run on the FMA units with fp32 activations; more on the tensor cores, where
-    an fp32 `a` is split into bf16 hi + lo parts (SPLIT_A) and a bf16 `a` is used as it is.
+    an fp32 `a` is split into hi + lo parts in w's dtype (SPLIT_A), a 16-bit `a` is used as it is.
     block_k is shrunk to divide every K.
     """
     N, K = w.shape
@@ -380,18 +424,20 @@ def gemv(
         _gemv_fma_kernel[(n_blocks, split)](
             *common, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=max(64, min(block_k, 8192 // (block_m * block_n))), num_warps=cfg.warps, num_stages=cfg.stages,
+            **_pdl(),
         )
         return y
     block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
     _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
         *common, GROUPED=table is not None, SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages, **_pdl(),
     )
     return y
 
 
 @triton.jit
-def _relu2_kernel(x, n, BLOCK: tl.constexpr):
+def _relu2_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_predecessor(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.maximum(tl.load(x + offs, mask=mask, other=0.0).to(tl.float32), 0.0)
@@ -401,7 +447,7 @@ def _relu2_kernel(x, n, BLOCK: tl.constexpr):
 def relu2_(x: torch.Tensor) -> torch.Tensor:
     """x = relu(x)² in place, one pass (torch: relu_ then square_, two)."""
     n = x.numel()
-    _relu2_kernel[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096, num_warps=8)
+    _relu2_kernel[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096, num_warps=8, **_pdl())
     return x
 
 
@@ -418,7 +464,9 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["H"])
 def _wkv_decode_kernel(
     R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, N: tl.constexpr, FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _after_predecessor(PDL)
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
@@ -466,8 +514,9 @@ def _wkv_decode_kernel(
 @triton.jit(do_not_specialize=["H"])
 def _wkv_prepare_kernel(
     Rr, Kk, Vv, ldp, Wl, Al, Vl, ldl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
-    N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr,
+    N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, N)[None, :]
@@ -500,7 +549,9 @@ def _wkv_prepare_kernel(
 
 
 @triton.jit(do_not_specialize=["H"])
-def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr):
+def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr,
+                       PDL: tl.constexpr):
+    _after_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, N)[None, :]
@@ -529,7 +580,7 @@ def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype
     outs = [torch.empty(T, C, device=r.device, dtype=dt) for dt in (torch.float32,) + (kv_dtype,) * 4]
     bonus = torch.empty(T, H, device=r.device, dtype=torch.float32)
     _wkv_prepare_kernel[(T,)](r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, *outs, bonus, H, C,
-                              N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C))
+                              N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C), **_pdl())
     return (*outs, bonus)
 
 
@@ -537,7 +588,7 @@ def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Te
     T, C = v2.shape
     y = torch.empty(T, C, device=v2.device, dtype=out_dtype)
     _wkv_finish_kernel[(T,)](o, v2, g, g.stride(0), bonus, prm, y, H, C, GN_EPS, N=C // H, BLOCK_H=_pow2(H),
-                             num_warps=_warps(C))
+                             num_warps=_warps(C), **_pdl())
     return y
 
 
@@ -549,7 +600,9 @@ def wkv_finish(o, v2, g, bonus, prm, H: int, out_dtype: torch.dtype) -> torch.Te
 
 
 @triton.jit(do_not_specialize=["H"])
-def _wkv_recurrent_kernel(Rr, ldr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr):
+def _wkv_recurrent_kernel(Rr, ldr, Wl, Kk, Vv, Aa, Bb, O, S, rows, H, C, N: tl.constexpr, BV: tl.constexpr,
+                          PDL: tl.constexpr):
+    _after_predecessor(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -584,7 +637,7 @@ def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor,
     o = torch.empty(T, C, device=r.device, dtype=torch.float32)
     bv = min(N, 16)
     _wkv_recurrent_kernel[(n_rows, H, N // bv)](r, r.stride(0), w_log, k, v, a, b, o, state, rows, H, C, N=N, BV=bv,
-                                                num_warps=2)
+                                                num_warps=2, **_pdl())
     return o
 
 
@@ -604,6 +657,6 @@ def wkv_decode(
     y = torch.empty(B, C, device=v_first.device, dtype=out_dtype)
     _wkv_decode_kernel[(B * H,)](
         *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, y, H, C, GN_EPS, N=C // H,
-        FIRST=first, num_warps=WKV_DECODE_WARPS,
+        FIRST=first, num_warps=WKV_DECODE_WARPS, **_pdl(),
     )
     return y

@@ -1,7 +1,7 @@
 """Opening a model directory for serving: weights on a device, a runner over them, the tokenizer.
 
 The one place that decides the device and dtype a model runs in: fp32 on the CPU (exact against
-the reference), bf16 weights with an fp32 state on a GPU.
+the reference), fp16 weights with an fp32 state on a GPU (cuda_runner.py says why fp16).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def open_model(
 ) -> tuple[ModelRunner | CudaRunnerType, Tokenizer, ModelCard]:
     directory = Path(directory) if directory else default_model_dir()
     where = pick_device(device)
-    dtype = torch.float32 if where.type == "cpu" else torch.bfloat16
+    dtype = torch.float32 if where.type == "cpu" else torch.float16
     model, card = load_model(directory, where, dtype, progress)
     tokenizer = load_tokenizer(directory / card.tokenizer)
     if card.eos_token_id is not None and tokenizer.eos_token_id is None:

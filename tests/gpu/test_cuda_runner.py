@@ -2,8 +2,9 @@
 
 Every path — prefill (chunked and recurrent), decode graphs of each kind (FMA gemv, tensor-core gemv,
 cuBLAS), mixed steps — must give logits and states within bf16 tolerance of the reference:
-‖ours − ref‖ / ‖ref‖ ≤ 1e-2. The reference runs in fp32 on weights rounded to bf16 (the weights
-the GPU runs), so the check measures the kernels, not the rounding of the checkpoint.
+‖ours − ref‖ / ‖ref‖ ≤ 1e-2, in fp16 (the runner's default) and, on one shape, bf16. The reference
+runs in fp32 on weights rounded to the runner's dtype (the weights the GPU runs), so the check
+measures the kernels, not the rounding of the checkpoint.
 
 Runs on a CUDA GPU (marked `gpu`, skipped elsewhere). With TRITON_INTERPRET=1 the kernels also run
 on the CPU under Triton's interpreter (slowly; no graphs, no fla): a check before spending GPU time.
@@ -27,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
 ]
 DEVICE = "cuda" if CUDA else "cpu"
-DTYPE = torch.bfloat16 if CUDA else torch.float16  # the interpreter's bf16 tl.dot is wrong (Triton 3.6)
 TOLERANCE = 1e-2  # logits
 STATE_TOLERANCE = 3e-2  # states: sums of many bf16-rounded terms, some cancelling
 
@@ -43,21 +43,26 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).norm() / ref.norm()).item()
 
 
-def bf16_rounded(model: RWKV7) -> RWKV7:
+def rounded(model: RWKV7, dtype: torch.dtype) -> RWKV7:
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+            p.copy_(p.to(dtype).float())
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES) if CUDA else ["L3-C128-N32"])
+# (shape, dtype); the interpreter's bf16 tl.dot is wrong (Triton 3.6), so bf16 runs on a GPU only
+CASES = [("L3-C128-N32", torch.float16), ("L2-C256-N64", torch.float16), ("L2-C256-N64", torch.bfloat16)]
+
+
+@pytest.fixture(scope="module", params=CASES if CUDA else CASES[:1], ids=lambda c: f"{c[0]}-{str(c[1])[6:]}")
 def pair(request):
     """(CUDA runner, fp32 reference runner), 8 slots each, on one random model."""
     pytest.importorskip("triton")
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
 
-    model = bf16_rounded(init_random(RWKV7(SHAPES[request.param]), seed=3)).to(DEVICE).eval()
-    runner = CudaRunner(model, max_slots=8, dtype=DTYPE, prefill_wkv="recurrent", auto_path=False)
+    shape, dtype = request.param
+    model = rounded(init_random(RWKV7(SHAPES[shape]), seed=3), dtype).to(DEVICE).eval()
+    runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False)
     return runner, ModelRunner(model, max_slots=8)
 
 
@@ -134,6 +139,24 @@ def test_mixed_step_and_untouched_slots(pair):
     for s in idle:  # the decode ran in bucket 4: its padding row wrote the scratch slot only
         for a, b in zip(runner.read_state(s).tensors(), before[s].tensors(), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_recurring_prefill_shapes_replay_a_graph(pair):
+    """The third call of one set of row lengths replays the graph the second captured: other
+    tokens, other slots, both paths (gemv up to 128 tokens, cuBLAS beyond)."""
+    runner, ref = pair
+    runner.prefill_wkv = "chunked" if _has_fla() else "recurrent"
+    for lengths in ((3, 40), (150, 7)):
+        for call, slots in enumerate(([0, 1], [2, 3], [4, 5], [1, 0])):
+            start_from_random_states(runner, ref, slots, seed=70 + call)
+            chunks = [tokens(n, ref.vocab_size, 80 + 10 * call + n) for n in lengths]
+            ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
+            assert rel_err(ours, theirs) <= TOLERANCE, f"{lengths} call {call}"
+            assert_states_close(runner, ref, slots)
+        key = (lengths, runner.prefill_wkv)
+        assert key in runner._prefill_graphs
+    runner.prefill_wkv = "recurrent"
 
 
 def test_decode_logits_survive_the_next_step(pair):
