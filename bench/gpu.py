@@ -201,6 +201,11 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
             runner.reset(slot)
         errors[f"prefill {wkv}"] = rel_err(runner.prefill(slots, chunks), expected)
     runner.prefill_wkv = saved
+    runner.fp32_outputs = False  # for scale: what writing the products in fp16 would cost
+    for slot in slots:
+        runner.reset(slot)
+    errors[f"(products written in fp16, for scale) prefill {saved}"] = rel_err(runner.prefill(slots, chunks), expected)
+    runner.fp32_outputs = True
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
     for slot in (6, 7):
         runner.reset(slot)
@@ -211,6 +216,8 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
     for name, small in (("decode gemv (graph)", 16), ("decode cuBLAS (graph)", 0)):
         runner.small_batch = small
         worst = 0.0
+        for slot in slots:  # each path from the reference's states: its own error, not the prefill's
+            runner.write_state(slot, reference.read_state(slot))
         for _ in range(3):
             t = toks(len(slots))
             worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
@@ -331,7 +338,11 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["ours"][f"{name}|{case}"] = rate
             eager = time_prefill(runner, rows, length, graph=False)
             results["explore"][f"{name}|{case} without graph"] = eager
-            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without")
+            runner.fp32_outputs = False
+            fp16_out = time_prefill(runner, rows, length)
+            runner.fp32_outputs = True
+            results["explore"][f"{name}|{case} products written in fp16"] = fp16_out
+            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     if args.explore and runner.prefill_wkv == "chunked" and not late(args):

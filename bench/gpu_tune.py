@@ -122,7 +122,7 @@ def tune_decode(models: list[str], results: dict) -> None:
         runner = CudaRunner(model, max_slots=256)
         del model
         for pdl in (True, False) if runner.pdl else (False,):
-            K.PDL = pdl
+            runner.pdl = pdl  # the runner sets kernels.PDL for the launches of each call
             runner._graphs.clear()
             runner._prefill_graphs.clear()
             runner._prefill_seen.clear()
@@ -137,7 +137,7 @@ def tune_decode(models: list[str], results: dict) -> None:
                     rate = time_prefill(runner, rows, length, graph=graph)
                     results["prefill"][f"{name}|pdl {pdl}|graph {graph}|{rows}x{length}"] = rate
                     say(f"prefill {name} PDL {pdl} graph {graph} {rows}×{length}: {rate:,.0f} tokens/s")
-        K.PDL = runner.pdl
+        runner.pdl = K.pdl_supported(runner.device)
         if name != "0.1b":
             profile(runner)
         del runner

@@ -34,15 +34,13 @@ EPI_STORE, EPI_ATOMIC_ADD = 0, 1  # gemv epilogues: store (in Y's dtype), or add
 # predecessor in the stream finishes. Each of these kernels loads only data no kernel writes
 # (weights, tables) before `_after_predecessor`, which waits until the predecessor has finished
 # and its writes are visible, then lets the next kernel launch. Every kernel here calls it, so
-# the chain stays in order (at most two kernels in flight). Set by the runner (enable_pdl).
+# the chain stays in order (at most two kernels in flight). The runner sets PDL for the launches
+# that follow (pdl_supported says where it may).
 PDL = False
 
 
-def enable_pdl(device: torch.device) -> bool:
-    """Turns PDL on for launches on this device where it has it (sm_90+); returns whether it did."""
-    global PDL
-    PDL = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return PDL
+def pdl_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pdl() -> dict:
@@ -272,8 +270,8 @@ def _gemv_kernel(
     acc = _mma(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, tl.trans(w), SPLIT_A)
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
-        w = tl.trans(tl.load(w_rows + k0, mask=n_mask, other=0.0))
-        acc = _mma(acc, tl.load(a_rows + k0, mask=m_mask, other=0.0), w, SPLIT_A)
+        acc = _mma(acc, tl.load(a_rows + k0, mask=m_mask, other=0.0),
+                   tl.trans(tl.load(w_rows + k0, mask=n_mask, other=0.0)), SPLIT_A)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
     y_mask = m_mask & (offs_n[None, :] < N)
     if EPI == 1:
@@ -319,9 +317,9 @@ def _gemv_fma_kernel(
     acc = w[None, :, :] * a[:, None, :]
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)
-        w = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
-        acc += w[None, :, :] * a[:, None, :]
+        wk = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
+        ak = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
+        acc += wk[None, :, :] * ak[:, None, :]
     y = tl.sum(acc, axis=2)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
     y_mask = m_mask & (offs_n[None, :] < N)
