@@ -436,6 +436,7 @@ class CudaRunner(SlotStates):
         if wkv == "recurrent":
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
         T, H, N = r.shape[0], self.H, self.N
+        r = r.to(k.dtype)  # fla takes q, k, v, a, b in one dtype; r may come fp32 from cuBLAS (fp32_outputs)
         s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
         o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch)
         state.index_copy_(0, batch.slots, s1.transpose(-1, -2))
