@@ -104,7 +104,7 @@ class CudaRunner(SlotStates):
     dtype: weights and activations between kernels; states stay fp32. fp16 by default: its three
       more mantissa bits than bf16 make the activations entering the tensor cores 8x closer to fp32
       (the bf16 paths miss 1e-2 of the fp32 logits on random 1.5B/7.2B models; tools/bf16_error.py),
-      at the same speed. bf16 works too.
+      as fast at one decode row, 2.5% slower at 256 (cuBLAS's kernels; docs/gpu.md). bf16 works too.
     graphs: capture decode steps as CUDA graphs (default: on a CUDA device).
     small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS
       (when auto_path is off; auto_path, the default with graphs, times both graphs of each
@@ -424,7 +424,7 @@ class CudaRunner(SlotStates):
         return self._mm_f32(hn, self.head.t())
 
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
-        """a · wᵀ: fp32 from the gemv (split-K, added into zeros) or fp16 from cuBLAS."""
+        """a · wᵀ: fp32 from the gemv (split-K, added into zeros), or from cuBLAS (see _mm_out)."""
         if not exact:
             return self._mm_out(a, w.t())
         out = torch.zeros(a.shape[0], w.shape[0], device=self.device, dtype=torch.float32)
