@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -169,6 +170,19 @@ def prefill_limit(cfg: ModelConfig, rows: int, length: int, ceil: dict) -> float
 # -- our runner ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def overridden(obj, **attrs):
+    """obj's attributes set to these values inside the block, put back after it (errors too)."""
+    saved = {name: getattr(obj, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    try:
+        yield obj
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -194,35 +208,31 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
         reference.reset(slot)
     chunks = [toks(n) for n in (48, 17, 5, 64)]
     expected = reference.prefill(slots, chunks)
-    saved = runner.prefill_wkv
-    for wkv in ("chunked", "recurrent") if saved == "chunked" else ("recurrent",):
-        runner.prefill_wkv = wkv
-        for slot in slots:
-            runner.reset(slot)
-        errors[f"prefill {wkv}"] = rel_err(runner.prefill(slots, chunks), expected)
-    runner.prefill_wkv = saved
-    runner.fp32_outputs = False  # for scale: what writing the products in fp16 would cost
-    for slot in slots:
-        runner.reset(slot)
-    errors[f"(products written in fp16, for scale) prefill {saved}"] = rel_err(runner.prefill(slots, chunks), expected)
-    runner.fp32_outputs = True
+
+    def prefill_from_zero(**settings) -> float:
+        with overridden(runner, **settings):
+            for slot in slots:
+                runner.reset(slot)
+            return rel_err(runner.prefill(slots, chunks), expected)
+
+    for wkv in ("chunked", "recurrent") if runner.prefill_wkv == "chunked" else ("recurrent",):
+        errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
+    for_scale = f"(products written in fp16, for scale) prefill {runner.prefill_wkv}"
+    errors[for_scale] = prefill_from_zero(fp32_outputs=False)  # what writing them in fp16 would cost
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
     for slot in (6, 7):
         runner.reset(slot)
         reference.reset(slot)
     errors["prefill short (gemv)"] = rel_err(runner.prefill([6, 7], short), reference.prefill([6, 7], short))
-    saved = runner.small_batch, runner.auto_path
-    runner.auto_path = False
     for name, small in (("decode gemv (graph)", 16), ("decode cuBLAS (graph)", 0)):
-        runner.small_batch = small
         worst = 0.0
         for slot in slots:  # each path from the reference's states: its own error, not the prefill's
             runner.write_state(slot, reference.read_state(slot))
-        for _ in range(3):
-            t = toks(len(slots))
-            worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
+        with overridden(runner, small_batch=small, auto_path=False):
+            for _ in range(3):
+                t = toks(len(slots))
+                worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
         errors[name] = worst
-    runner.small_batch, runner.auto_path = saved
     # for scale: the same math in plain torch fp16 (rwkv7.py on the fp16 weights) on the same inputs
     plain = ModelRunner(model, max_slots=8)
     for slot in slots:
@@ -273,9 +283,7 @@ def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = Tr
     kernels launched one by one (what a shape seen for the first time costs)."""
     slots = list(range(rows))
     chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
-    saved = runner.prefill_graphs
-    runner.prefill_graphs = saved if graph else 0
-    try:
+    with overridden(runner, prefill_graphs=runner.prefill_graphs if graph else 0):
         for _ in range(2):  # compile, allocate; the second sight of a shape captures its graph
             runner.prefill(slots, chunks)
         torch.cuda.synchronize()
@@ -284,8 +292,6 @@ def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = Tr
             runner.prefill(slots, chunks)
         torch.cuda.synchronize()
         return rows * length * reps / (time.perf_counter() - start)
-    finally:
-        runner.prefill_graphs = saved
 
 
 def bench_ours(name: str, args, results: dict) -> None:
@@ -294,8 +300,7 @@ def bench_ours(name: str, args, results: dict) -> None:
     cfg = SHAPES[name]
     say(f"{name}: building a random model on the GPU")
     model = random_model(cfg, torch.float16)  # the runner's dtype (cuda_runner.py says why fp16)
-    batches = [b for b in DECODE_BATCHES]
-    runner = CudaRunner(model, max_slots=max(batches))
+    runner = CudaRunner(model, max_slots=max(DECODE_BATCHES))
     say(f"{name}: prefill wkv = {runner.prefill_wkv}; exactness against the fp32 reference")
     try:
         errs = exactness(model, runner)
@@ -306,7 +311,7 @@ def bench_ours(name: str, args, results: dict) -> None:
         results["exactness"][name] = {"error": traceback.format_exc(limit=3)}
     del model
     torch.cuda.empty_cache()
-    for batch in batches:
+    for batch in DECODE_BATCHES:
         case = f"decode {batch}"
         if late(args):
             break
@@ -320,15 +325,13 @@ def bench_ours(name: str, args, results: dict) -> None:
     say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
     if args.explore and not late(args):  # both decode paths at the batch sizes where either could be chosen
         for batch, small in ((1, 0), (8, 8), (8, 0), (32, 32), (32, 0), (64, 64), (64, 0)):
-            saved = runner.small_batch, runner.auto_path
-            runner.small_batch, runner.auto_path = small, False
             try:
-                rate = time_decode(runner, batch)
+                with overridden(runner, small_batch=small, auto_path=False):
+                    rate = time_decode(runner, batch)
                 results["explore"][f"{name}|decode {batch} {'gemv' if small else 'cublas'}"] = rate
                 say(f"{name}: explore decode {batch} {'gemv' if small else 'cuBLAS'}: {rate:,.0f} tokens/s")
             except Exception:
                 say(f"{name}: explore decode {batch} FAILED\n{traceback.format_exc(limit=4)}")
-            runner.small_batch, runner.auto_path = saved
     for rows, length in PREFILLS:
         case = f"prefill {rows}×{length}"
         if late(args):
@@ -338,22 +341,20 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["ours"][f"{name}|{case}"] = rate
             eager = time_prefill(runner, rows, length, graph=False)
             results["explore"][f"{name}|{case} without graph"] = eager
-            runner.fp32_outputs = False
-            fp16_out = time_prefill(runner, rows, length)
-            runner.fp32_outputs = True
+            with overridden(runner, fp32_outputs=False):
+                fp16_out = time_prefill(runner, rows, length)
             results["explore"][f"{name}|{case} products written in fp16"] = fp16_out
             say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     if args.explore and runner.prefill_wkv == "chunked" and not late(args):
-        runner.prefill_wkv = "recurrent"
         try:
-            rate = time_prefill(runner, 1, 4096, reps=1)
+            with overridden(runner, prefill_wkv="recurrent"):
+                rate = time_prefill(runner, 1, 4096, reps=1)
             results["explore"][f"{name}|prefill 1×4096 recurrent"] = rate
             say(f"{name}: explore prefill 1×4096 recurrent wkv: {rate:,.0f} tokens/s")
         except Exception:
             say(f"{name}: explore recurrent FAILED\n{traceback.format_exc(limit=4)}")
-        runner.prefill_wkv = "chunked"
     if name == args.profile_model and not late(args):
         try:
             profile(runner)
@@ -379,19 +380,18 @@ def profile(runner) -> None:
         tokens = torch.randint(0, runner.vocab_size, (batch,)).tolist()
         cases.append((f"decode {batch} (5 steps)", lambda b=batch, t=tokens: [runner.decode(list(range(b)), t)
                                                                               for _ in range(5)]))
-    saved, runner.prefill_graphs = runner.prefill_graphs, 0
-    for label, fn in cases:
-        fn()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with overridden(runner, prefill_graphs=0):
+        for label, fn in cases:
             fn()
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(e.device_time_total for e in events)
-        say(f"profile {label}: {total / 1e3:.2f} ms of kernels")
-        for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
-            say(f"    {e.device_time_total / 1e3:8.3f} ms {e.count:5d}×  {e.key[:110]}")
-    runner.prefill_graphs = saved
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events)
+            say(f"profile {label}: {total / 1e3:.2f} ms of kernels")
+            for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
+                say(f"    {e.device_time_total / 1e3:8.3f} ms {e.count:5d}×  {e.key[:110]}")
 
 
 def time_sampler(results: dict) -> None:

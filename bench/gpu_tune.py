@@ -123,10 +123,7 @@ def tune_decode(models: list[str], results: dict) -> None:
         del model
         for pdl in (True, False) if runner.pdl else (False,):
             runner.pdl = pdl  # the runner sets kernels.PDL for the launches of each call
-            runner._graphs.clear()
-            runner._prefill_graphs.clear()
-            runner._prefill_seen.clear()
-            runner._pool = None  # a pool whose graphs are gone cannot take new captures
+            runner.drop_graphs()
             for batch in (1, 2, 8, 64, 256):
                 rate = time_decode(runner, batch)
                 results["decode"][f"{name}|pdl {pdl}|b{batch}"] = rate

@@ -86,7 +86,6 @@ class _Batch:
     slots: Tensor  # [R]
     rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
     cu_seqlens: Tensor  # [R + 1]
-    cu_seqlens_cpu: Tensor
     chunk_indices: Tensor | None  # fla's [n_chunks, 2] (row, chunk in row)
 
 
@@ -212,6 +211,14 @@ class CudaRunner(SlotStates):
         io.copy_(host, non_blocking=True)  # pinned: a true async copy (pageable memory may sync)
         graph.replay()
         return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
+
+    def drop_graphs(self) -> None:
+        """Forgets every captured graph, decode and prefill (after a launch setting such as `pdl`
+        changed: the next calls capture again)."""
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._prefill_seen.clear()
+        self._pool = None  # a pool whose graphs are gone cannot take new captures
 
     def capture(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Captures the decode graphs of the buckets these batch sizes fall in (default: all)."""
@@ -353,7 +360,7 @@ class CudaRunner(SlotStates):
             row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
             first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
             fields.append(torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1).view(-1))
-        return torch.cat(fields), (tuple(f.shape[0] for f in fields), R, cu, chunked)
+        return torch.cat(fields), (tuple(f.shape[0] for f in fields), R, chunked)
 
     def _pinned(self, host: Tensor) -> Tensor:
         # pinned: a true async copy (from pageable memory it may sync)
@@ -365,11 +372,11 @@ class CudaRunner(SlotStates):
     @staticmethod
     def _batch_views(dev: Tensor, layout: tuple) -> _Batch:
         """_Batch over the fields of one device tensor (new views each time: fla caches by identity)."""
-        sizes, R, cu, chunked = layout
+        sizes, R, chunked = layout
         views = dev.split(sizes)
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], lasts=views[3], slots=views[4],
-            rows=views[5].view(R, 3), cu_seqlens=views[6], cu_seqlens_cpu=cu,
+            rows=views[5].view(R, 3), cu_seqlens=views[6],
             chunk_indices=views[7].view(-1, 2) if chunked else None,
         )
 
@@ -389,10 +396,8 @@ class CudaRunner(SlotStates):
         new_shift = torch.empty(R, C, device=dev, dtype=torch.float32)
         dx = None
         for i, lw in enumerate(self.layers):
-            mixed = K.ln_shift_mix(x, dx, x_next, *lw.ln1, st.att_shift[i], lw.mix_att, batch.tok_slot, act,
-                                   batch.tok_row, new_shift)
-            st.att_shift[i].index_copy_(0, batch.slots, new_shift)
-            x, x_next = x_next, x
+            mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act, batch,
+                                               new_shift)
             if exact:
                 proj = torch.empty(T, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, T, table=self.table_in, n_sm=self.n_sm)
@@ -407,10 +412,8 @@ class CudaRunner(SlotStates):
             o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
             y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             dx = self._product(y, lw.wo, exact)
-            kin = K.ln_shift_mix(x, dx, x_next, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, batch.tok_slot, act,
-                                 batch.tok_row, new_shift)
-            st.ffn_shift[i].index_copy_(0, batch.slots, new_shift)
-            x, x_next = x_next, x
+            kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act, batch,
+                                             new_shift)
             if exact:
                 kf = torch.empty(T, self.F, device=dev, dtype=torch.float32)
                 K.gemv(kin, lw.wfk, kf, T, act=K.ACT_RELU2, n_sm=self.n_sm)
@@ -422,6 +425,14 @@ class CudaRunner(SlotStates):
             logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
             return K.gemv(hn, self.head, logits, R, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
+
+    @staticmethod
+    def _shift_mix(x, dx, x_next, ln, shift, mix, act, batch: _Batch, new_shift) -> tuple[Tensor, Tensor, Tensor]:
+        """x + dx into x_next, its LayerNorm + token shift + mixes; each row's last h becomes its
+        slot's shift. Returns (mixes, x_next, x): the residual's new buffer first, then the free one."""
+        out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, batch.tok_slot, act, batch.tok_row, new_shift)
+        shift.index_copy_(0, batch.slots, new_shift)
+        return out, x_next, x
 
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
         """a · wᵀ: fp32 from the gemv (split-K, added into zeros), or from cuBLAS (see _mm_out)."""

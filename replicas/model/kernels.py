@@ -231,17 +231,12 @@ def _mma(acc, a, w, SPLIT_A: tl.constexpr):
     return acc + tl.dot(a.to(w.dtype), w)
 
 
-# Sizes that change with the batch or the model are not specialised on (one compile serves all);
-# strides are, so that loads of rows stay 16-byte wide.
-@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
-def _gemv_kernel(
-    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
-    GROUPED: tl.constexpr, SPLIT_A: tl.constexpr, EPI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
+@triton.jit
+def _gemv_program(A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m,
+                  GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What program (block of N, part of K) of a gemv reads: its output columns, activation,
+    K range [k_lo, k_hi), the row pointers of A and W at column 0 of that range, and the masks."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
     if GROUPED:
         a_col = tl.load(table + pid_n)
         k_len = tl.load(table + n_blocks + pid_n)
@@ -252,18 +247,39 @@ def _gemv_kernel(
         k_len = K
         act = ACT
         w_row = pid_n * BLOCK_N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_per = tl.cdiv(tl.cdiv(k_len, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per
+    k_lo = tl.multiple_of(tl.program_id(1) * k_per, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per, k_len)
-    m_mask = offs_m[:, None] < M
-    n_mask = offs_n[:, None] < N
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
     w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
+    return offs_n, act, k_lo, k_hi, a_rows, w_rows, offs_m[:, None] < M, offs_n[:, None] < N
+
+
+@triton.jit
+def _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, y, act, EPI: tl.constexpr):
+    """Y = act(y) in Y's dtype, or (EPI_ATOMIC_ADD) Y += y."""
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
+    y_mask = m_mask & (offs_n[None, :] < N)
+    if EPI == 1:
+        tl.atomic_add(y_ptrs, y, mask=y_mask)
+    else:
+        tl.store(y_ptrs, _activate(y, act).to(Y.dtype.element_ty), mask=y_mask)
+
+
+# Sizes that change with the batch or the model are not specialised on (one compile serves all);
+# strides are, so that loads of rows stay 16-byte wide.
+@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
+def _gemv_kernel(
+    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
+    GROUPED: tl.constexpr, SPLIT_A: tl.constexpr, EPI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask = _gemv_program(
+        A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
     # the first tile of W is loaded before waiting for the kernel that writes A (PDL)
-    k_lo = tl.multiple_of(k_lo, BLOCK_K)
     w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0)
     _after_predecessor(PDL)
     a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0)
@@ -272,12 +288,7 @@ def _gemv_kernel(
         k0 = tl.multiple_of(k0, BLOCK_K)
         acc = _mma(acc, tl.load(a_rows + k0, mask=m_mask, other=0.0),
                    tl.trans(tl.load(w_rows + k0, mask=n_mask, other=0.0)), SPLIT_A)
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
-    y_mask = m_mask & (offs_n[None, :] < N)
-    if EPI == 1:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask)
-    else:
-        tl.store(y_ptrs, _activate(acc, act).to(Y.dtype.element_ty), mask=y_mask)
+    _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, acc, act, EPI)
 
 
 @triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
@@ -288,29 +299,9 @@ def _gemv_fma_kernel(
 ):
     """The same product for a few rows on the FMA units: fp32 activations as they are, each thread
     keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    if GROUPED:
-        a_col = tl.load(table + pid_n)
-        k_len = tl.load(table + n_blocks + pid_n)
-        act = tl.load(table + 2 * n_blocks + pid_n)
-        w_row = tl.load(table + 3 * n_blocks + pid_n)
-    else:
-        a_col = 0
-        k_len = K
-        act = ACT
-        w_row = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_per = tl.cdiv(tl.cdiv(k_len, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per
-    k_hi = tl.minimum(k_lo + k_per, k_len)
-    m_mask = offs_m[:, None] < M
-    n_mask = offs_n[:, None] < N
-    a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
-    w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
-    k_lo = tl.multiple_of(k_lo, BLOCK_K)
+    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask = _gemv_program(
+        A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
     w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0).to(tl.float32)  # before the wait (PDL)
     _after_predecessor(PDL)
     a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
@@ -320,13 +311,7 @@ def _gemv_fma_kernel(
         wk = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
         ak = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
         acc += wk[None, :, :] * ak[:, None, :]
-    y = tl.sum(acc, axis=2)
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * ldy + offs_n[None, :]
-    y_mask = m_mask & (offs_n[None, :] < N)
-    if EPI == 1:
-        tl.atomic_add(y_ptrs, y, mask=y_mask)
-    else:
-        tl.store(y_ptrs, _activate(y, act).to(Y.dtype.element_ty), mask=y_mask)
+    _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, tl.sum(acc, axis=2), act, EPI)
 
 
 @dataclass(frozen=True)

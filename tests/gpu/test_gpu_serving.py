@@ -24,7 +24,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def model_dir(random_model_dir):
-    """The demo model once it is complete (it may be mid-training), else the random one."""
+    """The demo model when it is there (it ships in the repository), else the random one."""
     demo = default_model_dir()
     return demo if (demo / "config.json").is_file() and (demo / "model.safetensors").is_file() else random_model_dir
 
