@@ -494,18 +494,23 @@ def _wkv_decode_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _token_heads(H, C, N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's token t and all its heads as a [BLOCK_H, N] tile: t, the tile's columns,
+    its mask (padding heads), and its offsets in a [T, C] tensor."""
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    c = hh * N + tl.arange(0, N)[None, :]
+    return t, c, hh < H, t * C + c
+
+
 @triton.jit(do_not_specialize=["H"])
 def _wkv_prepare_kernel(
     Rr, Kk, Vv, ldp, Wl, Al, Vl, ldl, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus, H, C,
     N: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     _after_predecessor(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, N)[None, :]
-    c = hh * N + i
-    mask = hh < H
-    off = t * C + c
+    t, c, mask, off = _token_heads(H, C, N, BLOCK_H)
     r = tl.load(Rr + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
     k = tl.load(Kk + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(Vv + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
@@ -535,12 +540,7 @@ def _wkv_prepare_kernel(
 def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr,
                        PDL: tl.constexpr):
     _after_predecessor(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, N)[None, :]
-    c = hh * N + i
-    mask = hh < H
-    off = t * C + c
+    t, c, mask, off = _token_heads(H, C, N, BLOCK_H)
     o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(o, 1) / N
     d = o - mean[:, None]
