@@ -31,11 +31,12 @@ EPI_STORE, EPI_ATOMIC_ADD = 0, 1  # gemv epilogues: store (in Y's dtype), or add
 
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while its
-# predecessor in the stream finishes. Each of these kernels loads only data no kernel writes
-# (weights, tables) before `_after_predecessor`, which waits until the predecessor has finished
-# and its writes are visible, then lets the next kernel launch. Every kernel here calls it, so
-# the chain stays in order (at most two kernels in flight). The runner sets PDL for the launches
-# that follow (pdl_supported says where it may).
+# predecessor in the stream finishes. `_after_predecessor` waits until the predecessor has
+# finished and its writes are visible, then lets the next kernel launch. Before it, a kernel reads
+# only what no kernel writes (weights, tables) or what only kernels before its predecessor wrote
+# (a slot's wkv state: the predecessor started after those had finished). Every kernel here calls
+# it, so the chain stays in order (at most two kernels in flight). The runner sets PDL for the
+# launches that follow (pdl_supported says where it may).
 PDL = False
 
 
@@ -70,24 +71,24 @@ def _warps(C: int) -> int:
 
 
 @triton.jit
-def _layernorm(x, w_ptr, b_ptr, cols, mask, C, eps):
+def _layernorm(x, w, b, mask, C, eps):
     mean = tl.sum(x, 0) / C
     d = tl.where(mask, x - mean, 0.0)
     var = tl.sum(d * d, 0) / C
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0)
     return d * tl.rsqrt(var + eps) * w + b
 
 
 @triton.jit
 def _embed_ln_kernel(tok_ptr, emb_ptr, w_ptr, b_ptr, x_ptr, C, eps, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    _after_predecessor(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     tok = tl.load(tok_ptr + t).to(tl.int64)
     e = tl.load(emb_ptr + tok * C + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x_ptr + t * C + cols, _layernorm(e, w_ptr, b_ptr, cols, mask, C, eps), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+    _after_predecessor(PDL)  # loads before it, stores after: x's memory may be a buffer it reads
+    tl.store(x_ptr + t * C + cols, _layernorm(e, w, b, mask, C, eps), mask=mask)
 
 
 def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -102,45 +103,59 @@ def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.
 def _ln_shift_mix_kernel(
     x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, cols_per, eps,
     HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
-    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    PRELOAD_MIX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (token, column block): the statistics need the whole row, the stores only the block's
-    _after_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * cols_per
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     cmask = mask & (cols >= lo) & (cols < lo + cols_per)
+    groups = tl.arange(0, BLOCK_G)[:, None]
+    gmask = (groups < NMIX) & cmask[None, :]
+    # before the wait (PDL): the weights, and the slot's shift (which only this kernel writes, a step
+    # or a call ago; in prefill, a row's first token's); PRELOAD_MIX: the mixes too, all as one tile
+    w = tl.load(ln_w + cols, mask=mask, other=0.0)
+    b = tl.load(ln_b + cols, mask=mask, other=0.0)
+    if PRELOAD_MIX:
+        m = tl.load(mix + groups * C + cols[None, :], mask=gmask, other=0.0)  # [BLOCK_G, BLOCK_C]
+    slot = tl.load(tok_slot + t).to(tl.int64)
+    prev = tl.load(shift + tl.maximum(slot, 0) * C + cols, mask=cmask & (slot >= 0), other=0.0)
+    _after_predecessor(PDL)
     xt = tl.load(x_in + t * C + cols, mask=mask, other=0.0)
     if HAS_DX:
         xt += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_X:
         tl.store(x_out + t * C + cols, xt, mask=cmask)
-    h = _layernorm(xt, ln_w, ln_b, cols, mask, C, eps)
-    slot = tl.load(tok_slot + t).to(tl.int64)
+    h = _layernorm(xt, w, b, mask, C, eps)
     if PREFILL:
-        # a row's first token takes its slot's shift; any other token its predecessor's h, which
-        # this program recomputes (x_in is never written here, so there is no race)
-        if slot >= 0:
-            prev = tl.load(shift + slot * C + cols, mask=cmask, other=0.0)
-        else:
+        # a token other than its row's first takes its predecessor's h, which this program
+        # recomputes (x_in is never written here, so there is no race)
+        if slot < 0:
             xp = tl.load(x_in + (t - 1) * C + cols, mask=mask, other=0.0)
             if HAS_DX:
                 xp += tl.load(dx + (t - 1) * C + cols, mask=mask, other=0.0).to(tl.float32)
-            prev = _layernorm(xp, ln_w, ln_b, cols, mask, C, eps)
+            prev = _layernorm(xp, w, b, mask, C, eps)
         row = tl.load(tok_row + t).to(tl.int64)  # >= 0 on a row's last token
         if row >= 0:
             tl.store(new_shift + row * C + cols, h, mask=cmask)
     else:  # decode: one token per row, so this program alone reads and writes these columns of the shift
-        prev = tl.load(shift + slot * C + cols, mask=cmask, other=0.0)
         tl.store(shift + slot * C + cols, h, mask=cmask)
     xx = prev - h
-    for g in tl.static_range(NMIX):
-        m = tl.load(mix + g * C + cols, mask=cmask, other=0.0)
-        tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=cmask)
+    if PRELOAD_MIX:
+        mixed = h[None, :] + xx[None, :] * m
+        tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask)
+    else:
+        for g in tl.static_range(NMIX):
+            m = tl.load(mix + g * C + cols, mask=cmask, other=0.0)
+            tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=cmask)
 
 
-LN_WARPS: int | None = None  # None: 4 up to C = 2048, else 8
+LN_WARPS: int | None = None  # None: 4 up to C = 2048, else 8 (PRELOAD_MIX: up to 16)
+# Up to this many tokens the mixes load before the PDL wait, as one tile in more warps; more
+# tokens load them one by one after it (the tile's registers cost 4% at 256 decode rows and 5% of
+# a 4,096-token prefill on an H200).
+PRELOAD_TOKENS = 64
 
 
 def ln_shift_mix(
@@ -164,12 +179,16 @@ def ln_shift_mix(
     # statistics); not when x_out is x_in, where one block's store would race another's read
     blocks = 1 if store_x and x_out.data_ptr() == x_in.data_ptr() else max(1, min(triton.cdiv(C, 256), 1024 // T))
     cols_per = triton.cdiv(C, blocks)
+    preload = T <= PRELOAD_TOKENS
+    # no more threads than columns: a replicated element's store (x updated in place) could land
+    # before its replica's load
+    warps = LN_WARPS or (max(4, min(16, _pow2(C) // 64)) if preload else 4 if C <= 2048 else 8)
     out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
     _ln_shift_mix_kernel[(T, blocks)](
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
         tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, cols_per, LN_EPS,
         HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill,
-        NMIX=G, BLOCK_C=_pow2(C), num_warps=LN_WARPS or (4 if C <= 2048 else 8), **_pdl(),
+        NMIX=G, PRELOAD_MIX=preload, BLOCK_G=_pow2(G), BLOCK_C=_pow2(C), num_warps=warps, **_pdl(),
     )
     return out
 
@@ -177,15 +196,17 @@ def ln_shift_mix(
 @triton.jit
 def _add_ln_kernel(x, dx, sel, ln_w, ln_b, out, C, eps, HAS_DX: tl.constexpr, HAS_SEL: tl.constexpr,
                    BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    _after_predecessor(PDL)
     i = tl.program_id(0).to(tl.int64)
     t = tl.load(sel + i).to(tl.int64) if HAS_SEL else i
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
+    w = tl.load(ln_w + cols, mask=mask, other=0.0)
+    b = tl.load(ln_b + cols, mask=mask, other=0.0)
+    _after_predecessor(PDL)
     xt = tl.load(x + t * C + cols, mask=mask, other=0.0)
     if HAS_DX:
         xt += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
-    h = _layernorm(xt, ln_w, ln_b, cols, mask, C, eps)
+    h = _layernorm(xt, w, b, mask, C, eps)
     tl.store(out + i * C + cols, h.to(out.dtype.element_ty), mask=mask)
 
 
@@ -449,12 +470,19 @@ def _wkv_decode_kernel(
     R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, N: tl.constexpr, FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _after_predecessor(PDL)
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
     i = tl.arange(0, N)
     c = h * N + i
+    # before the wait (PDL): the slot's state (only this kernel writes it, a step ago) and the weights
+    slot = tl.load(idx + b).to(tl.int64)
+    s_ptrs = S + (slot * H + h) * (N * N) + i[:, None] * N + i[None, :]
+    st = tl.load(s_ptrs)
+    w0, a0, v0 = tl.load(prm + c), tl.load(prm + C + c), tl.load(prm + 2 * C + c)
+    k_k, k_a, r_k = tl.load(prm + 3 * C + c), tl.load(prm + 4 * C + c), tl.load(prm + 5 * C + c)
+    gn_w, gn_b = tl.load(prm + 6 * C + c), tl.load(prm + 7 * C + c)
+    _after_predecessor(PDL)
     r = tl.load(R_ + b * ldp + c).to(tl.float32)
     k = tl.load(K_ + b * ldp + c).to(tl.float32)
     v = tl.load(V_ + b * ldp + c).to(tl.float32)
@@ -462,19 +490,16 @@ def _wkv_decode_kernel(
     al = tl.load(AL + b * ldl + c).to(tl.float32)
     vl = tl.load(VL + b * ldl + c).to(tl.float32)
     g = tl.load(G_ + b * ldl + c).to(tl.float32)
-    decay = tl.exp(-0.606531 * tl.sigmoid(tl.load(prm + c) + wl))
-    a = tl.sigmoid(tl.load(prm + C + c) + al)
-    kk = k * tl.load(prm + 3 * C + c)
+    decay = tl.exp(-0.606531 * tl.sigmoid(w0 + wl))
+    a = tl.sigmoid(a0 + al)
+    kk = k * k_k
     kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, 0)), 1e-12)
-    k = k * (1.0 + (a - 1.0) * tl.load(prm + 4 * C + c))
+    k = k * (1.0 + (a - 1.0) * k_a)
     if FIRST:
         tl.store(VF + b * C + c, v.to(VF.dtype.element_ty))
     else:
         vf = tl.load(VF + b * C + c).to(tl.float32)
-        v = v + (vf - v) * tl.sigmoid(tl.load(prm + 2 * C + c) + vl)
-    slot = tl.load(idx + b).to(tl.int64)
-    s_ptrs = S + (slot * H + h) * (N * N) + i[:, None] * N + i[None, :]
-    st = tl.load(s_ptrs)
+        v = v + (vf - v) * tl.sigmoid(v0 + vl)
     sa = tl.sum(st * (-kk)[None, :], axis=1)
     st = st * decay[None, :] + sa[:, None] * (kk * a)[None, :] + v[:, None] * k[None, :]
     tl.store(s_ptrs, st)
@@ -482,8 +507,8 @@ def _wkv_decode_kernel(
     mean = tl.sum(o, 0) / N
     d = o - mean
     var = tl.sum(d * d, 0) / N
-    o = d * tl.rsqrt(var + gn_eps) * tl.load(prm + 6 * C + c) + tl.load(prm + 7 * C + c)
-    o += tl.sum(r * k * tl.load(prm + 5 * C + c), 0) * v
+    o = d * tl.rsqrt(var + gn_eps) * gn_w + gn_b
+    o += tl.sum(r * k * r_k, 0) * v
     tl.store(Y + b * C + c, (o * g).to(Y.dtype.element_ty))
 
 
