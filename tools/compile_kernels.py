@@ -1,0 +1,120 @@
+"""Compiles every Triton kernel launch of the CUDA runner for an H200 (sm_90) on a machine without
+a GPU, so that Triton's type and shape errors surface before a device call.
+
+The CPU interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic but not Triton's compiler:
+a loop-carried value that changes shape, two returns of different types, a bad constexpr branch
+all pass it and fail on the GPU. Here the runner's paths run on the CPU on a small random model
+(decode on the FMA and tensor-core gemvs and on cuBLAS, short and long prefill, PDL on) with every
+Triton launch recorded instead of run; each distinct launch (kernel, argument types, constexprs,
+warps, stages) is then compiled to a cubin for sm_90 with the local Triton (AST -> PTX -> ptxas).
+Nothing is executed, so no result is checked: tests/gpu do that.
+
+    python tools/compile_kernels.py      # one line per launch; exit 1 if any fails to compile
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int64: "i64"}
+
+
+@contextmanager
+def recorded_launches() -> Iterator[list]:
+    """Inside it, `kernel[grid](...)` records (kernel, args, kwargs) and launches nothing."""
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    launches, run = [], JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def _source(kernel, args, kwargs):
+    """The launch as an ASTSource for the compiler, its constexprs by name, and its options."""
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    names = kernel.arg_names
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_pdl", None)  # a launch attribute: the kernel's PDL constexpr says what it compiles
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}
+    signature = {name: "constexpr" if name in constexprs else _arg_type(bound[name]) for name in names}
+    return ASTSource(kernel, signature, constexprs=constexprs), constexprs, options
+
+
+def exercise_runner() -> list:
+    """Runs the runner's decode and prefill paths on the CPU with PDL on; returns the launches."""
+    from replicas.model.config import ModelConfig  # noqa: PLC0415
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+    from replicas.model.rwkv7 import RWKV7, init_random  # noqa: PLC0415
+
+    model = init_random(RWKV7(ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64)), seed=0).eval()
+    runner = CudaRunner(model, max_slots=8, prefill_wkv="recurrent", auto_path=False)
+    runner.pdl = True  # what an H200 runs
+    with recorded_launches() as launches, torch.no_grad():
+        for rows, small in ((1, 16), (3, 16), (8, 0)):  # FMA gemv, tensor-core gemv, cuBLAS
+            runner.small_batch = small
+            runner.decode(list(range(rows)), [1] * rows)
+        runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
+        runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
+    return launches
+
+
+def compile_all(launches: list) -> list[tuple[str, str]]:
+    """Compiles each distinct launch; returns (launch, error) for those that fail."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+
+    seen, failures = set(), []
+    for kernel, args, kwargs in launches:
+        src, constexprs, options = _source(kernel, args, dict(kwargs))
+        key = (kernel.fn.__name__, tuple(src.signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{kernel.fn.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())}) {options}"
+        try:
+            triton.compile(src, target=GPUTarget(*TARGET), options=options)
+            print(f"ok    {label}", flush=True)
+        except Exception as error:  # noqa: BLE001 - every compiler error is a finding to report
+            failures.append((label, str(error)))
+            print(f"FAIL  {label}\n{error}", flush=True)
+    return failures
+
+
+def main() -> int:
+    failures = compile_all(exercise_runner())
+    print(f"{len(failures)} launch(es) failed to compile for sm_90" if failures else "every launch compiles for sm_90")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
