@@ -21,7 +21,8 @@ fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop o
 host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
 before replay a CUDA graph of the call.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
-starts while its predecessor finishes, reading its first weights meanwhile.
+starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
+the slots' states).
 
 The math is rwkv7.py's; tests/gpu check every path against it in fp32.
 """
