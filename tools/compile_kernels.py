@@ -71,20 +71,22 @@ def _source(kernel, args, kwargs):
 
 
 def exercise_runner() -> list:
-    """Runs the runner's decode and prefill paths on the CPU with PDL on; returns the launches."""
+    """Runs the runner's decode and prefill paths on the CPU with PDL on, in fp16 and bf16;
+    returns the launches."""
     from replicas.model.config import ModelConfig  # noqa: PLC0415
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
     from replicas.model.rwkv7 import RWKV7, init_random  # noqa: PLC0415
 
     model = init_random(RWKV7(ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64)), seed=0).eval()
-    runner = CudaRunner(model, max_slots=8, prefill_wkv="recurrent", auto_path=False)
-    runner.pdl = True  # what an H200 runs
     with recorded_launches() as launches, torch.no_grad():
-        for rows, small in ((1, 16), (3, 16), (8, 0)):  # FMA gemv, tensor-core gemv, cuBLAS
-            runner.small_batch = small
-            runner.decode(list(range(rows)), [1] * rows)
-        runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
-        runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
+        for dtype in (torch.float16, torch.bfloat16):
+            runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False)
+            runner.pdl = True  # what an H200 runs
+            for rows, small in ((1, 16), (3, 16), (8, 0)):  # FMA gemv, tensor-core gemv, cuBLAS
+                runner.small_batch = small
+                runner.decode(list(range(rows)), [1] * rows)
+            runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
+            runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
     return launches
 
 
