@@ -153,7 +153,7 @@ def _ln_shift_mix_kernel(
 
 LN_WARPS: int | None = None  # None: 4 up to C = 2048, else 8 (PRELOAD_MIX: up to 16)
 # Up to this many tokens the mixes load before the PDL wait, as one tile in more warps; more
-# tokens load them one by one after it (the tile's registers cost 4% at 256 decode rows and 5% of
+# tokens load them one by one after it (the tile's registers cost 4% at 256 decode rows and 6% of
 # a 4,096-token prefill on an H200).
 PRELOAD_TOKENS = 64
 
