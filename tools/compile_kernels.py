@@ -6,15 +6,21 @@ a loop-carried value that changes shape, two returns of different types, a bad c
 all pass it and fail on the GPU. Here the runner's paths run on the CPU on a small random model
 (decode on the FMA and tensor-core gemvs and on cuBLAS, short and long prefill, PDL on) with every
 Triton launch recorded instead of run; each distinct launch (kernel, argument types, constexprs,
-warps, stages) is then compiled to a cubin for sm_90 with the local Triton (AST -> PTX -> ptxas).
-Nothing is executed, so no result is checked: tests/gpu do that.
+warps, stages) is then compiled to a cubin for sm_90 with the local Triton (AST -> PTX -> ptxas),
+and the cubin's resource use is read back with Triton's bundled cuobjdump: registers per thread,
+spilled bytes (local memory), shared memory. Nothing is executed, so no result is checked:
+tests/gpu do that.
 
     python tools/compile_kernels.py      # one line per launch; exit 1 if any fails to compile
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,6 +96,21 @@ def exercise_runner() -> list:
     return launches
 
 
+def resource_use(cubin: bytes) -> dict[str, int]:
+    """Registers per thread (REG) and spilled bytes per thread (LOCAL) of the cubin's kernel, from
+    cuobjdump; empty if the tool is missing."""
+    import triton  # noqa: PLC0415
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([os.fspath(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {key: int(value) for key, value in re.findall(r"\b(REG|LOCAL):(\d+)", out)}
+
+
 def compile_all(launches: list) -> list[tuple[str, str]]:
     """Compiles each distinct launch; returns (launch, error) for those that fail."""
     import triton  # noqa: PLC0415
@@ -104,8 +125,10 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
         seen.add(key)
         label = f"{kernel.fn.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())}) {options}"
         try:
-            triton.compile(src, target=GPUTarget(*TARGET), options=options)
-            print(f"ok    {label}", flush=True)
+            compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
+            use = resource_use(compiled.asm["cubin"]) | {"SMEM": compiled.metadata.shared}
+            spills = " SPILLS" if use.get("LOCAL") else ""
+            print(f"ok    {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}", flush=True)
         except Exception as error:  # noqa: BLE001 - every compiler error is a finding to report
             failures.append((label, str(error)))
             print(f"FAIL  {label}\n{error}", flush=True)
