@@ -133,19 +133,12 @@ def engine_overhead(rows: int, new_tokens: int) -> tuple[float, float]:
     runner, tokenizer, _ = open_model(default_model_dir(), max_slots=rows, device="cpu")
     engine = Engine(runner, tokenizer, EngineConfig(max_slots=rows, max_waiting=rows)).start()
     params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
-
-    async def all_rows():
-        async def one(i):
-            async for _ in engine.generate(Request([1 + i % 100], params)):
-                pass
-
-        await asyncio.gather(*(one(i) for i in range(rows)))
-
+    prompts = [[1 + i % 100] for i in range(rows)]
     try:
-        asyncio.run(all_rows())  # warm-up
+        asyncio.run(generated_rate(engine, prompts, params))  # warm-up
         before = engine.snapshot_stats()["counters"]
         start = time.perf_counter()
-        asyncio.run(all_rows())
+        asyncio.run(generated_rate(engine, prompts, params))
         wall = time.perf_counter() - start
         after = engine.snapshot_stats()["counters"]
     finally:

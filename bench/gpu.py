@@ -49,6 +49,7 @@ SHAPES = {  # LoRA ranks of the released models (RWKV-LM's x070 formulas of C)
 }
 DECODE_BATCHES = (1, 8, 64, 256)
 PREFILLS = ((1, 4096), (16, 1024))
+EXACTNESS_LENGTHS = (48, 17, 5, 64)  # the long prefill's rows (134 tokens: the cuBLAS path)
 BARS = {  # from the issue: (model, case) -> tokens/s
     ("0.1b", "decode 1"): 3000, ("1.5b", "decode 1"): 1000, ("7.2b", "decode 1"): 230,
     ("1.5b", "decode 256"): 59000, ("7.2b", "decode 64"): 7500,
@@ -206,7 +207,7 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
     slots = [0, 1, 2, 3]
     for slot in slots:
         reference.reset(slot)
-    chunks = [toks(n) for n in (48, 17, 5, 64)]
+    chunks = [toks(n) for n in EXACTNESS_LENGTHS]
     expected = reference.prefill(slots, chunks)
 
     def prefill_from_zero(**settings) -> float:
@@ -448,6 +449,9 @@ def bench_engine(runner, results: dict) -> None:
         results["engine"][f"{concurrency}"] = {"engine": rate, "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts, top-p 0.9): "
             f"{rate:,.0f} generated tokens/s; runner alone {raw:,.0f}")
+
+
+# -- the rwkv package (child process) -----------------------------------------------------------
 
 
 def rwkv_child(name: str, out: Path, budget: float) -> None:

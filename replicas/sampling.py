@@ -192,7 +192,7 @@ def _cutoffs(x: Tensor, k: list[int], top_p: list[float]) -> Tensor:
     width = min(V, max([_WINDOW] + [kk for kk in k if kk <= _TOPK_MAX]))
     window = _WindowRows(k, top_p, width, V, x.device)
     log_z = _log_z(x)
-    values, index = torch.topk(x, width, dim=-1)  # best first; the order of a tie does not matter
+    values = torch.topk(x, width, dim=-1).values  # best first; the order of a tie does not matter
     cut, decided = window.cutoffs(values, _masses(values, log_z))
     undecided = int((~decided).sum())  # the one host synchronisation
     if undecided:
@@ -246,7 +246,7 @@ class _WindowRows:
 
 def _radix_cutoffs(x: Tensor, mass: Tensor, k: Tensor, p: Tensor, counted: bool) -> Tensor:
     """The cuts of _cutoffs, for any rows, by radix selection (`counted`: some k must be counted)."""
-    B, V = x.shape
+    V = x.shape[1]
     key = _order_keys(x)
     if not counted:  # then the rows the window left have no top-k and a top_p < 1
         return _key_values(_select(key, mass, torch.ceil(p * _FIXED_POINT).int()))

@@ -30,11 +30,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu import SHAPES, random_model  # noqa: E402
+from gpu import EXACTNESS_LENGTHS, SHAPES, random_model  # noqa: E402
 
 from replicas.model.runner import ModelRunner  # noqa: E402
-
-LENGTHS = (48, 17, 5, 64)  # bench/gpu.py's exactness prompt
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -75,15 +73,15 @@ def main() -> None:
     for p in model.parameters():
         p.copy_(bf16(p))  # the weights the GPU runs
     gen = torch.Generator().manual_seed(1)
-    chunks = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
+    chunks = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in EXACTNESS_LENGTHS]
     ref = prefill(model, chunks)
     cases = {
         "product inputs": dict(round_in=True),
         "product outputs": dict(round_out=True),
         "inputs and outputs": dict(round_in=True, round_out=True),
     }
-    print(f"| case | all rows | {' | '.join(f'row of {n}' for n in LENGTHS)} |")
-    print(f"|---|---:|{'---:|' * len(LENGTHS)}")
+    print(f"| case | all rows | {' | '.join(f'row of {n}' for n in EXACTNESS_LENGTHS)} |")
+    print(f"|---|---:|{'---:|' * len(EXACTNESS_LENGTHS)}")
     for label, kwargs in [*cases.items(), ("plain bf16", None)]:
         print(f"[{time.perf_counter() - start:5.1f}s] {label}", file=sys.stderr, flush=True)
         if kwargs is None:
@@ -91,7 +89,7 @@ def main() -> None:
             out = prefill(model, chunks)
         else:
             out = prefill(model, chunks, **kwargs)
-        rows = [((out[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(len(LENGTHS))]
+        rows = [((out[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(len(EXACTNESS_LENGTHS))]
         total = ((out - ref).norm() / ref.norm()).item()
         print(f"| {label} | {total:.1e} | {' | '.join(f'{e:.1e}' for e in rows)} |", flush=True)
 

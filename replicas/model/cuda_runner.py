@@ -504,7 +504,7 @@ class CudaRunner(SlotStates):
             [(C, self.hidden_cols[g], self.padded[g], K.ACT_NONE, g * C) for g in range(4)], self.device)
 
     def _pick_f32_matmul(self):
-        """fp16 × fp16 -> fp32 products (mm, bmm) in one cuBLAS call where torch offers it."""
+        """Products (mm, bmm) of the runner's dtype written fp32 in one cuBLAS call where torch offers it."""
         a = torch.ones(2, 2, 32, device=self.device, dtype=self.dtype)
         try:
             torch.mm(a[0], a[0].t(), out_dtype=torch.float32)

@@ -151,8 +151,7 @@ def _ln_shift_mix_kernel(
             tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=cmask)
 
 
-LN_WARPS: int | None = None  # None: 4 up to C = 2048, else 8 (PRELOAD_MIX: up to 16)
-# Up to this many tokens the mixes load before the PDL wait, as one tile in more warps; more
+# Up to this many tokens the mixes load before the PDL wait, as one tile in up to 16 warps; more
 # tokens load them one by one after it (the tile's registers cost 4% at 256 decode rows and 6% of
 # a 4,096-token prefill on an H200).
 PRELOAD_TOKENS = 64
@@ -182,7 +181,7 @@ def ln_shift_mix(
     preload = T <= PRELOAD_TOKENS
     # no more threads than columns: a replicated element's store (x updated in place) could land
     # before its replica's load
-    warps = LN_WARPS or (max(4, min(16, _pow2(C) // 64)) if preload else 4 if C <= 2048 else 8)
+    warps = max(4, min(16, _pow2(C) // 64)) if preload else 4 if C <= 2048 else 8
     out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
     _ln_shift_mix_kernel[(T, blocks)](
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
