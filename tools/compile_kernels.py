@@ -54,6 +54,8 @@ def recorded_launches() -> Iterator[list]:
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype]
+    if type(value).__name__ == "TensorDescriptor":
+        return f"tensordesc<{_TYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

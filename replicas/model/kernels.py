@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 DECAY_SCALE = 0.606531  # as in rwkv7.py: w = exp(-DECAY_SCALE · sigmoid(·))
 LN_EPS = 1e-5
@@ -274,7 +275,7 @@ def _gemv_program(A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m
     k_hi = tl.minimum(k_lo + k_per, k_len)
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
     w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
-    return offs_n, act, k_lo, k_hi, a_rows, w_rows, offs_m[:, None] < M, offs_n[:, None] < N
+    return offs_n, act, k_lo, k_hi, a_rows, w_rows, offs_m[:, None] < M, offs_n[:, None] < N, w_row
 
 
 @triton.jit
@@ -297,7 +298,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask = _gemv_program(
+    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask, _ = _gemv_program(
         A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
     # the first tile of W is loaded before waiting for the kernel that writes A (PDL)
     w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0)
@@ -313,22 +314,24 @@ def _gemv_kernel(
 
 @triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_fma_kernel(
-    A, lda, W, ldw, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
+    A, lda, W, Wd, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
     GROUPED: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """The same product for a few rows on the FMA units: fp32 activations as they are, each thread
-    keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end."""
+    keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end.
+    W's tiles come through its TMA descriptor Wd, so the loop keeps STAGES - 1 of them in flight in
+    shared memory (plain loads would hold them in registers, and registers bound the bytes in flight)."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask = _gemv_program(
-        A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
-    w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0).to(tl.float32)  # before the wait (PDL)
+    offs_n, act, k_lo, k_hi, a_rows, _, m_mask, _, w_row = _gemv_program(
+        A, lda, W, 0, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
+    w = Wd.load([w_row, k_lo]).to(tl.float32)  # before the wait (PDL); rows past W's end read as zeros
     _after_predecessor(PDL)
     a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
     acc = w[None, :, :] * a[:, None, :]
-    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         k0 = tl.multiple_of(k0, BLOCK_K)
-        wk = tl.load(w_rows + k0, mask=n_mask, other=0.0).to(tl.float32)
+        wk = Wd.load([w_row, k0]).to(tl.float32)
         ak = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
         acc += wk[None, :, :] * ak[:, None, :]
     _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, tl.sum(acc, axis=2), act, EPI)
@@ -347,19 +350,18 @@ class GemvConfig:
     per_sm: int = 2
 
 
-# Chosen on an H200 by bench/gpu_tune.py (cold weights, one and eight rows; docs/gpu.md): narrow
-# FMA programs for one or two rows of matrices up to a few tens of MB, 64-wide tensor-core tiles
-# four stages deep for more rows and for the largest matrices (the head, 7.2B's FFN).
-FMA_ROWS = 2  # up to this many rows the FMA kernel may run (exact fp32 activations)
-FMA_MAX_BYTES = 64 << 20  # larger weights stream faster through the tensor-core kernel
-GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=2, per_sm=4)
+# Chosen on an H200: narrow FMA programs (8 weight rows × 256 columns, W's tiles three deep in flight
+# through TMA) for one or two rows of every matrix, the head included; 64-wide tensor-core tiles four
+# stages deep for more rows. In one A/B call (docs/gpu.md), TMA-fed FMA programs for every matrix took
+# 7.2B at one row from 200 to 239 tokens/s and 1.5B from 790 to 817, where the plain-load FMA kernel
+# (registers bound its bytes in flight) had lost to the tensor cores on matrices over 64 MB.
+FMA_ROWS = 2  # up to this many rows the FMA kernel runs (exact fp32 activations)
+GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=4, per_sm=4)
 GEMV_DOT = GemvConfig(fma=False, block_n=64, block_k=128, warps=4, stages=4, per_sm=2)
 
 
-def gemv_config(m: int, w: torch.Tensor) -> GemvConfig:
-    if m <= FMA_ROWS and w.numel() * w.element_size() < FMA_MAX_BYTES:
-        return GEMV_FMA
-    return GEMV_DOT
+def gemv_config(m: int) -> GemvConfig:
+    return GEMV_FMA if m <= FMA_ROWS else GEMV_DOT
 
 
 class GemvTable:
@@ -404,7 +406,7 @@ def gemv(
     block_k is shrunk to divide every K.
     """
     N, K = w.shape
-    cfg = config or gemv_config(m, w)
+    cfg = config or gemv_config(m)
     if table is not None:
         block_n, k_max, ks, N = cfg.block_n, table.max_k, table.ks, table.width
         blocks = table.blocks(block_n)
@@ -424,10 +426,11 @@ def gemv(
               n_blocks, act, split)
     if cfg.fma:
         block_m = _pow2(m)
+        block_k = max(64, min(block_k, 8192 // (block_m * block_n)))
+        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
         _gemv_fma_kernel[(n_blocks, split)](
-            *common, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=max(64, min(block_k, 8192 // (block_m * block_n))), num_warps=cfg.warps, num_stages=cfg.stages,
-            **_pdl(),
+            a, a.stride(0), w, w_desc, *common[4:], GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, num_warps=cfg.warps, **_pdl(),
         )
         return y
     block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
