@@ -104,7 +104,7 @@ def embed_ln(tokens: torch.Tensor, emb: torch.Tensor, w: torch.Tensor, b: torch.
 def _ln_shift_mix_kernel(
     x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, C, cols_per, eps,
     HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
-    PRELOAD_MIX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (token, column block): the statistics need the whole row, the stores only the block's
     t = tl.program_id(0).to(tl.int64)
@@ -114,12 +114,11 @@ def _ln_shift_mix_kernel(
     cmask = mask & (cols >= lo) & (cols < lo + cols_per)
     groups = tl.arange(0, BLOCK_G)[:, None]
     gmask = (groups < NMIX) & cmask[None, :]
-    # before the wait (PDL): the weights, and the slot's shift (which only this kernel writes, a step
-    # or a call ago; in prefill, a row's first token's); PRELOAD_MIX: the mixes too, all as one tile
+    # before the wait (PDL): the weights, the mixes (as one tile), and the slot's shift (which only
+    # this kernel writes, a step or a call ago; in prefill, a row's first token's)
     w = tl.load(ln_w + cols, mask=mask, other=0.0)
     b = tl.load(ln_b + cols, mask=mask, other=0.0)
-    if PRELOAD_MIX:
-        m = tl.load(mix + groups * C + cols[None, :], mask=gmask, other=0.0)  # [BLOCK_G, BLOCK_C]
+    m = tl.load(mix + groups * C + cols[None, :], mask=gmask, other=0.0)  # [BLOCK_G, BLOCK_C]
     slot = tl.load(tok_slot + t).to(tl.int64)
     prev = tl.load(shift + tl.maximum(slot, 0) * C + cols, mask=cmask & (slot >= 0), other=0.0)
     _after_predecessor(PDL)
@@ -142,20 +141,68 @@ def _ln_shift_mix_kernel(
             tl.store(new_shift + row * C + cols, h, mask=cmask)
     else:  # decode: one token per row, so this program alone reads and writes these columns of the shift
         tl.store(shift + slot * C + cols, h, mask=cmask)
-    xx = prev - h
-    if PRELOAD_MIX:
-        mixed = h[None, :] + xx[None, :] * m
-        tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask)
-    else:
-        for g in tl.static_range(NMIX):
-            m = tl.load(mix + g * C + cols, mask=cmask, other=0.0)
-            tl.store(out + t * (NMIX * C) + g * C + cols, (h + xx * m).to(out.dtype.element_ty), mask=cmask)
+    mixed = h[None, :] + (prev - h)[None, :] * m
+    tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask)
 
 
-# Up to this many tokens the mixes load before the PDL wait, as one tile in up to 16 warps; more
-# tokens load them one by one after it (the tile's registers cost 4% at 256 decode rows and 6% of
-# a 4,096-token prefill on an H200).
+@triton.jit(do_not_specialize=["T"])
+def _ln_shift_mix_rows_kernel(
+    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, T, C, eps,
+    HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TOK: tl.constexpr, PDL: tl.constexpr,
+):
+    """The same for many tokens: a program takes TOK consecutive tokens, one after another. The mixes
+    and LayerNorm weights are read once (before the PDL wait), a token's h is its successor's
+    predecessor (only the program's first token recomputes one), and the next token's row is read
+    while this one's is worked on."""
+    t0 = tl.program_id(0).to(tl.int64) * TOK
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    groups = tl.arange(0, BLOCK_G)[:, None]
+    gmask = (groups < NMIX) & mask[None, :]
+    w = tl.load(ln_w + cols, mask=mask, other=0.0)
+    b = tl.load(ln_b + cols, mask=mask, other=0.0)
+    m = tl.load(mix + groups * C + cols[None, :], mask=gmask, other=0.0)  # [BLOCK_G, BLOCK_C]
+    _after_predecessor(PDL)
+    prev = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if PREFILL:  # the first token's predecessor, unless it starts its row (then the slot's shift, below)
+        xp = tl.load(x_in + (t0 - 1) * C + cols, mask=mask & (t0 > 0), other=0.0)
+        if HAS_DX:
+            xp += tl.load(dx + (t0 - 1) * C + cols, mask=mask & (t0 > 0), other=0.0).to(tl.float32)
+        prev = _layernorm(xp, w, b, mask, C, eps)
+    x_next = tl.load(x_in + t0 * C + cols, mask=mask & (t0 < T), other=0.0)
+    if HAS_DX:
+        x_next += tl.load(dx + t0 * C + cols, mask=mask & (t0 < T), other=0.0).to(tl.float32)
+    for i in tl.static_range(TOK):
+        t = t0 + i
+        live = t < T
+        xt = x_next
+        if i + 1 < TOK:
+            x_next = tl.load(x_in + (t + 1) * C + cols, mask=mask & (t + 1 < T), other=0.0)
+            if HAS_DX:
+                x_next += tl.load(dx + (t + 1) * C + cols, mask=mask & (t + 1 < T), other=0.0).to(tl.float32)
+        slot = tl.load(tok_slot + t, mask=live, other=-1).to(tl.int64)  # decode: every token has one
+        prev = tl.where(slot >= 0, tl.load(shift + tl.maximum(slot, 0) * C + cols, mask=mask & (slot >= 0)), prev)
+        if STORE_X:
+            tl.store(x_out + t * C + cols, xt, mask=mask & live)
+        h = _layernorm(xt, w, b, mask, C, eps)
+        if PREFILL:
+            row = tl.load(tok_row + t, mask=live, other=-1).to(tl.int64)  # >= 0 on a row's last token
+            tl.store(new_shift + tl.maximum(row, 0) * C + cols, h, mask=mask & (row >= 0))
+        else:  # one token per row: only this program reads and writes its slot's shift
+            tl.store(shift + tl.maximum(slot, 0) * C + cols, h, mask=mask & live)
+        mixed = h[None, :] + (prev - h)[None, :] * m
+        tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask & live)
+        prev = h
+
+
+# Up to this many tokens, a program a token (few tokens: their columns spread over programs); more
+# take the rows kernel. An H200 measured the mixes' tile loaded by every token's program 4-6% slower
+# at 256 decode rows and in a 4,096-token prefill than loaded one by one (docs/gpu.md).
 PRELOAD_TOKENS = 64
+ROWS_TOKENS = 8  # at most this many tokens per program of the rows kernel,
+ROWS_PROGRAMS = 512  # fewer when there would be fewer programs than this
+ROWS_WARPS = 8  # at most (no more threads than columns)
 
 
 def ln_shift_mix(
@@ -175,20 +222,28 @@ def ln_shift_mix(
     G = mix.shape[0]
     prefill = tok_row is not None
     store_x = dx is not None or x_out.data_ptr() != x_in.data_ptr()
+    out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
+    # no more threads than columns: a replicated element's store (x updated in place) could land
+    # before its replica's load
+    warps = max(4, min(16, _pow2(C) // 64))
+    if T > PRELOAD_TOKENS:
+        tok = 1 << max(0, min(ROWS_TOKENS, T // ROWS_PROGRAMS).bit_length() - 1)
+        _ln_shift_mix_rows_kernel[(triton.cdiv(T, tok),)](
+            x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
+            tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, T, C, LN_EPS,
+            HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill, NMIX=G, BLOCK_G=_pow2(G),
+            BLOCK_C=_pow2(C), TOK=tok, num_warps=min(warps, ROWS_WARPS), **_pdl(),
+        )
+        return out
     # few tokens: their columns spread over several programs (each reads the whole row for the
     # statistics); not when x_out is x_in, where one block's store would race another's read
     blocks = 1 if store_x and x_out.data_ptr() == x_in.data_ptr() else max(1, min(triton.cdiv(C, 256), 1024 // T))
     cols_per = triton.cdiv(C, blocks)
-    preload = T <= PRELOAD_TOKENS
-    # no more threads than columns: a replicated element's store (x updated in place) could land
-    # before its replica's load
-    warps = max(4, min(16, _pow2(C) // 64)) if preload else 4 if C <= 2048 else 8
-    out = torch.empty(T, G * C, device=x_in.device, dtype=out_dtype)
     _ln_shift_mix_kernel[(T, blocks)](
         x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
         tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, C, cols_per, LN_EPS,
         HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill,
-        NMIX=G, PRELOAD_MIX=preload, BLOCK_G=_pow2(G), BLOCK_C=_pow2(C), num_warps=warps, **_pdl(),
+        NMIX=G, BLOCK_G=_pow2(G), BLOCK_C=_pow2(C), num_warps=warps, **_pdl(),
     )
     return out
 

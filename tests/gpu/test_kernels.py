@@ -1,6 +1,9 @@
-"""kernels.gemv against torch's product in fp32, for each way it can launch: FMA programs (W through
-a TMA descriptor, one tile or a pipelined loop over K), tensor-core tiles; store and atomic-add
-epilogues; grouped (per-block input columns, K and activation).
+"""Kernels against torch in fp32, each way it can launch.
+
+- gemv: FMA programs (W through a TMA descriptor, one tile or a pipelined loop over K), tensor-core
+  tiles; store and atomic-add epilogues; grouped (per-block input columns, K and activation).
+- ln_shift_mix: a program a token (columns spread over programs) and the rows kernel (a program a
+  run of tokens), in decode (x and the shift updated in place) and in ragged prefill.
 
 Marked `gpu`; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -69,3 +72,61 @@ def test_grouped_blocks_take_their_own_columns_k_and_activation(config):
     for width, col, k, act, row in groups:
         ref = reference(a[:, col:col + k], w[row:row + width, :k], act)
         assert close(y[:, row:row + width], ref, tol), (width, col, k, act)
+
+
+def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):
+    """x + dx, h = LayerNorm, each token's predecessor h (a row's first: its slot's shift), the mixes.
+    starts: (first token, slot) of each row, in order."""
+    x = x + dx
+    h = torch.nn.functional.layer_norm(x, x.shape[1:], w, b, eps=K.LN_EPS)
+    prev = torch.cat([h[:1], h[:-1]])
+    for first, slot in starts:
+        prev[first] = shift[slot]
+    return x, h, h[:, None, :] + (prev - h)[:, None, :] * mix[None]
+
+
+# rows kernel: few programs for these token counts make it take runs of 8 tokens (the last part-filled)
+RUNS = pytest.mark.parametrize("programs", [512, 16], ids=["token-programs", "8-token-runs"])
+
+
+@RUNS
+@pytest.mark.parametrize("tokens", [5, 70, 203])  # a program a token (few: column blocks); the rows kernel
+def test_ln_shift_mix_decode_updates_x_and_the_shift_in_place(tokens, programs, monkeypatch):
+    monkeypatch.setattr(K, "ROWS_PROGRAMS", programs)
+    torch.manual_seed(2)
+    C, G = 192, 6
+    x, dx = torch.randn(tokens, C, device=DEVICE), torch.randn(tokens, C, device=DEVICE)
+    w, b = torch.rand(C, device=DEVICE) + 0.5, torch.randn(C, device=DEVICE)
+    shift, mix = torch.randn(tokens + 3, C, device=DEVICE), torch.rand(G, C, device=DEVICE)
+    slots = torch.randperm(tokens + 3, device=DEVICE)[:tokens].int()
+    x_ref, h_ref, out_ref = ln_shift_mix_reference(x, dx, w, b, shift, mix, list(enumerate(slots.tolist())))
+    shift_ref = shift.clone()
+    shift_ref[slots.long()] = h_ref
+    out = K.ln_shift_mix(x, dx, x, w, b, shift, mix, slots, torch.float32)
+    assert close(x, x_ref.double(), 1e-6)
+    assert close(shift, shift_ref.double(), 1e-5)
+    assert close(out.view(tokens, G, C), out_ref.double(), 1e-5)
+
+
+@RUNS
+@pytest.mark.parametrize("lengths", [[9, 1, 30], [40, 1, 100, 3, 37]])  # 40 tokens, 181 tokens
+def test_ln_shift_mix_prefill_ragged_rows(lengths, programs, monkeypatch):
+    monkeypatch.setattr(K, "ROWS_PROGRAMS", programs)
+    torch.manual_seed(3)
+    C, G, T = 160, 6, sum(lengths)
+    x, dx = torch.randn(T, C, device=DEVICE), torch.randn(T, C, device=DEVICE)
+    w, b = torch.rand(C, device=DEVICE) + 0.5, torch.randn(C, device=DEVICE)
+    shift, mix = torch.randn(8, C, device=DEVICE), torch.rand(G, C, device=DEVICE)
+    firsts = [sum(lengths[:r]) for r in range(len(lengths))]
+    slots = [7 - r for r in range(len(lengths))]
+    tok_slot = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+    tok_row = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+    for r, (first, n) in enumerate(zip(firsts, lengths, strict=True)):
+        tok_slot[first], tok_row[first + n - 1] = slots[r], r
+    x_ref, h_ref, out_ref = ln_shift_mix_reference(x, dx, w, b, shift, mix, list(zip(firsts, slots, strict=True)))
+    x_out, new_shift = torch.empty_like(x), torch.empty(len(lengths), C, device=DEVICE)
+    out = K.ln_shift_mix(x, dx, x_out, w, b, shift, mix, tok_slot, torch.float32, tok_row, new_shift)
+    assert close(x_out, x_ref.double(), 1e-6)
+    lasts = [first + n - 1 for first, n in zip(firsts, lengths, strict=True)]
+    assert close(new_shift, h_ref[lasts].double(), 1e-5)
+    assert close(out.view(T, G, C), out_ref.double(), 1e-5)
