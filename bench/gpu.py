@@ -220,7 +220,6 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
         errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
     for_scale = f"(products written in fp16, for scale) prefill {runner.prefill_wkv}"
     errors[for_scale] = prefill_from_zero(fp32_outputs=False)  # what writing them in fp16 would cost
-    errors[f"(key not split in hi + lo, for scale) prefill {runner.prefill_wkv}"] = prefill_from_zero(split_key=False)
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
     for slot in (6, 7):
         runner.reset(slot)
@@ -346,11 +345,7 @@ def bench_ours(name: str, args, results: dict) -> None:
             with overridden(runner, fp32_outputs=False):
                 fp16_out = time_prefill(runner, rows, length)
             results["explore"][f"{name}|{case} products written in fp16"] = fp16_out
-            with overridden(runner, split_key=False):
-                unsplit = time_prefill(runner, rows, length)
-            results["explore"][f"{name}|{case} key not split in hi + lo"] = unsplit
-            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs; "
-                f"{unsplit:,.0f} key not split")
+            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     if args.explore and runner.prefill_wkv == "chunked" and not late(args):

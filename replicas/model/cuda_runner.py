@@ -136,9 +136,6 @@ class CudaRunner(SlotStates):
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
         # products whose outputs feed the residual or the recurrence write fp32 (cuBLAS path)
         self.fp32_outputs = True
-        # long prefill: the key's input enters cuBLAS as hi + lo halves (two products), the
-        # activation noise the logits are most sensitive to (docs/gpu.md, "Exactness")
-        self.split_key = True
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
@@ -167,7 +164,7 @@ class CudaRunner(SlotStates):
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
         host, layout = self._batch_fields(rows, chunks)
-        key = (tuple(len(c) for c in chunks), self.prefill_wkv, self.fp32_outputs, self.split_key)
+        key = (tuple(len(c) for c in chunks), self.prefill_wkv, self.fp32_outputs)
         graph = self._prefill_graph(key, host, layout) if self.graphs and self.prefill_graphs else None
         if graph is None:
             return self._prefill_body(self._batch_views(self._to_device(host), layout))
@@ -399,10 +396,9 @@ class CudaRunner(SlotStates):
         v_first = torch.empty(T, C, device=dev, dtype=act)
         new_shift = torch.empty(R, C, device=dev, dtype=torch.float32)
         dx = None
-        key_lo = torch.empty(T, C, device=dev, dtype=act) if not exact and self.split_key else None
         for i, lw in enumerate(self.layers):
             mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act, batch,
-                                               new_shift, key_lo)
+                                               new_shift)
             if exact:
                 proj = torch.empty(T, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, T, table=self.table_in, n_sm=self.n_sm)
@@ -412,8 +408,6 @@ class CudaRunner(SlotStates):
                 lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
                 rkv, lora = self._projections(lw, mixed, T)
-                if key_lo is not None:
-                    rkv[1].add_(self._mm_f32(key_lo, lw.w_rkv_t[1]))
             w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
                                                      lw.prm, H, i == 0, kv_dtype)
             o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
@@ -434,11 +428,10 @@ class CudaRunner(SlotStates):
         return self._mm_f32(hn, self.head.t())
 
     @staticmethod
-    def _shift_mix(x, dx, x_next, ln, shift, mix, act, batch: _Batch, new_shift,
-                   key_lo: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _shift_mix(x, dx, x_next, ln, shift, mix, act, batch: _Batch, new_shift) -> tuple[Tensor, Tensor, Tensor]:
         """x + dx into x_next, its LayerNorm + token shift + mixes; each row's last h becomes its
         slot's shift. Returns (mixes, x_next, x): the residual's new buffer first, then the free one."""
-        out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, batch.tok_slot, act, batch.tok_row, new_shift, key_lo)
+        out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, batch.tok_slot, act, batch.tok_row, new_shift)
         shift.index_copy_(0, batch.slots, new_shift)
         return out, x_next, x
 

@@ -147,15 +147,14 @@ def _ln_shift_mix_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _ln_shift_mix_rows_kernel(
-    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, lo, T, C, eps,
-    HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr, LO_GROUP: tl.constexpr,
+    x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, T, C, eps,
+    HAS_DX: tl.constexpr, STORE_X: tl.constexpr, PREFILL: tl.constexpr, NMIX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, TOK: tl.constexpr, PDL: tl.constexpr,
 ):
     """The same for many tokens: a program takes TOK consecutive tokens, one after another. The mixes
     and LayerNorm weights are read once (before the PDL wait), a token's h is its successor's
     predecessor (only the program's first token recomputes one), and the next token's row is read
-    while this one's is worked on. LO_GROUP >= 0: that mix's rounding remainder (the fp32 mix less its
-    value in out's dtype) goes to lo [T, C], so that a product can take the mix as hi + lo."""
+    while this one's is worked on."""
     t0 = tl.program_id(0).to(tl.int64) * TOK
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -193,11 +192,7 @@ def _ln_shift_mix_rows_kernel(
         else:  # one token per row: only this program reads and writes its slot's shift
             tl.store(shift + tl.maximum(slot, 0) * C + cols, h, mask=mask & live)
         mixed = h[None, :] + (prev - h)[None, :] * m
-        hi = mixed.to(out.dtype.element_ty)
-        tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], hi, mask=gmask & live)
-        if LO_GROUP >= 0:
-            rest = tl.sum(tl.where(groups == LO_GROUP, mixed - hi.to(tl.float32), 0.0), axis=0)
-            tl.store(lo + t * C + cols, rest.to(lo.dtype.element_ty), mask=mask & live)
+        tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask & live)
         prev = h
 
 
@@ -213,7 +208,7 @@ ROWS_WARPS = 8  # at most (no more threads than columns)
 def ln_shift_mix(
     x_in: torch.Tensor, dx: torch.Tensor | None, x_out: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
     shift: torch.Tensor, mix: torch.Tensor, tok_slot: torch.Tensor, out_dtype: torch.dtype,
-    tok_row: torch.Tensor | None = None, new_shift: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
+    tok_row: torch.Tensor | None = None, new_shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x_out = x_in + dx; h = LayerNorm(x_out); returns the token-shift mixes [T, G·C].
 
@@ -221,8 +216,7 @@ def ln_shift_mix(
     read and replaced by h in place. Prefill: tok_slot[t] is the slot on a row's first token and
     -1 elsewhere; tok_row[t] is the row on a row's last token and -1 elsewhere; the rows' new
     shifts go to new_shift [rows, C] (the caller writes them to the slots afterwards); x_out must
-    not alias x_in. key_lo [T, C] (more than PRELOAD_TOKENS tokens only): the key mix's (group 1's)
-    rounding remainder, mix - float(mix in out_dtype), in out_dtype.
+    not alias x_in.
     """
     T, C = x_in.shape
     G = mix.shape[0]
@@ -232,15 +226,12 @@ def ln_shift_mix(
     # no more threads than columns: a replicated element's store (x updated in place) could land
     # before its replica's load
     warps = max(4, min(16, _pow2(C) // 64))
-    if key_lo is not None and T <= PRELOAD_TOKENS:
-        raise ValueError(f"key_lo is written by the rows kernel only: more than {PRELOAD_TOKENS} tokens")
     if T > PRELOAD_TOKENS:
         tok = 1 << max(0, min(ROWS_TOKENS, T // ROWS_PROGRAMS).bit_length() - 1)
         _ln_shift_mix_rows_kernel[(triton.cdiv(T, tok),)](
             x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
-            tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out,
-            key_lo if key_lo is not None else out, T, C, LN_EPS, HAS_DX=dx is not None, STORE_X=store_x,
-            PREFILL=prefill, NMIX=G, LO_GROUP=1 if key_lo is not None else -1, BLOCK_G=_pow2(G),
+            tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, T, C, LN_EPS,
+            HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill, NMIX=G, BLOCK_G=_pow2(G),
             BLOCK_C=_pow2(C), TOK=tok, num_warps=min(warps, ROWS_WARPS), **_pdl(),
         )
         return out

@@ -130,24 +130,3 @@ def test_ln_shift_mix_prefill_ragged_rows(lengths, programs, monkeypatch):
     lasts = [first + n - 1 for first, n in zip(firsts, lengths, strict=True)]
     assert close(new_shift, h_ref[lasts].double(), 1e-5)
     assert close(out.view(T, G, C), out_ref.double(), 1e-5)
-
-
-def test_ln_shift_mix_writes_the_key_mixs_rounding_remainder():
-    torch.manual_seed(4)
-    C, G, T = 128, 6, 80
-    x, dx = torch.randn(T, C, device=DEVICE), torch.randn(T, C, device=DEVICE)
-    w, b = torch.rand(C, device=DEVICE) + 0.5, torch.randn(C, device=DEVICE)
-    shift, mix = torch.randn(2, C, device=DEVICE), torch.rand(G, C, device=DEVICE)
-    tok_slot = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
-    tok_row = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
-    tok_slot[0], tok_row[-1] = 1, 0
-    _, _, out_ref = ln_shift_mix_reference(x, dx, w, b, shift, mix, [(0, 1)])
-    lo = torch.full((T, C), float("nan"), device=DEVICE, dtype=torch.float16)
-    out = K.ln_shift_mix(x, dx, torch.empty_like(x), w, b, shift, mix, tok_slot, torch.float16, tok_row,
-                         torch.empty(1, C, device=DEVICE), lo).view(T, G, C)
-    key = out_ref[:, 1].double()
-    assert close(out[:, 1].double() + lo.double(), key, 1e-6)  # hi + lo: fp32's precision, not fp16's
-    assert not close(out[:, 1].double(), key, 1e-4)
-    with pytest.raises(ValueError):
-        K.ln_shift_mix(x[:8], dx[:8], torch.empty_like(x[:8]), w, b, shift, mix, tok_slot[:8], torch.float16,
-                       tok_row[:8], torch.empty(1, C, device=DEVICE), lo[:8])
