@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bf16_error import prefill_with  # noqa: E402
 from gpu import EXACTNESS_LENGTHS, SHAPES, random_model  # noqa: E402
-
-from replicas.model.runner import ModelRunner  # noqa: E402
 
 CLASSES = ("att-receptance", "att-key", "att-value", "att-output", "ffn-key", "ffn-value", "all")
 
@@ -40,7 +40,6 @@ def label_products(model) -> None:
 
 
 def prefill(model, chunks, cls: str | None = None, rel: float = 0.0, seed: int = 0) -> torch.Tensor:
-    plain = torch.nn.Linear.forward
     gen = torch.Generator().manual_seed(seed)
 
     def forward(self, x):
@@ -48,15 +47,7 @@ def prefill(model, chunks, cls: str | None = None, rel: float = 0.0, seed: int =
             x = x * (1 + rel * (2 * torch.randint(0, 2, x.shape, generator=gen) - 1))
         return F.linear(x, self.weight)
 
-    torch.nn.Linear.forward = forward
-    try:
-        runner = ModelRunner(model, max_slots=len(chunks))
-        rows = list(range(len(chunks)))
-        for row in rows:
-            runner.reset(row)
-        return runner.prefill(rows, chunks).float()
-    finally:
-        torch.nn.Linear.forward = plain
+    return prefill_with(model, chunks, forward)
 
 
 def main() -> None:
