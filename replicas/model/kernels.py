@@ -197,8 +197,8 @@ def _ln_shift_mix_rows_kernel(
 
 
 # Up to this many tokens, a program a token (few tokens: their columns spread over programs); more
-# take the rows kernel. An H200 measured the mixes' tile loaded by every token's program 4-6% slower
-# at 256 decode rows and in a 4,096-token prefill than loaded one by one (docs/gpu.md).
+# take the rows kernel, which reads the mixes once for a run of tokens: on an H200 a program a token
+# was 5% slower at 256 decode rows and 8% in a 4,096-token prefill (docs/gpu.md).
 PRELOAD_TOKENS = 64
 ROWS_TOKENS = 8  # at most this many tokens per program of the rows kernel,
 ROWS_PROGRAMS = 512  # fewer when there would be fewer programs than this
@@ -482,8 +482,8 @@ def gemv(
     if cfg.fma:
         block_m = _pow2(m)
         block_k = max(64, min(block_k, 8192 // (block_m * block_n)))
-        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        _gemv_fma_kernel[(n_blocks, split)](
+        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])  # needs w 16-byte aligned
+        _gemv_fma_kernel[(n_blocks, split)](  # W's row stride travels in its descriptor
             a, a.stride(0), w, w_desc, *common[4:], GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, num_warps=cfg.warps, **_pdl(),
         )
