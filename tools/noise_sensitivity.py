@@ -8,12 +8,16 @@ get a relative perturbation of ±REL with random signs (seeded), and the relativ
 every activation to fp16 does); two seeds of the same size differing by 2x show that one reading
 of the error is one sample of a wide distribution.
 
-    python tools/noise_sensitivity.py [--model 1.5b] [--rel 2.4e-4] [--seeds 3]
+    python tools/noise_sensitivity.py [--model 1.5b] [--rel 2.4e-4] [--seeds 3] [--layers N]
+
+--layers keeps the shape's width with fewer layers: 7.2B's in fp32 needs 29 GB of memory, its
+first 12 layers 12 GB.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -55,10 +59,13 @@ def main() -> None:
     parser.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
     parser.add_argument("--rel", type=float, default=2.0**-12, help="relative size (fp16's half-ulp: 2**-12)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     start = time.perf_counter()
     cfg = SHAPES[args.model]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, n_layer=args.layers)
     print(f"building the random {args.model} model on the CPU", file=sys.stderr, flush=True)
     model = random_model(cfg, torch.float32, device="cpu")
     for p in model.parameters():
