@@ -28,7 +28,7 @@ from gpu import SHAPES, measure_ceilings, random_model, say, time_decode, time_p
 from replicas.model import kernels as K  # noqa: E402
 
 FMA_CONFIGS = [K.GemvConfig(True, bn, bk, w, s, 4) for bn, bk, w, s in itertools.product(
-    (8, 16, 32), (128, 256, 512), (4, 8), (1, 2, 3)) if bn * bk <= 8192]
+    (8, 16, 32), (128, 256), (4, 8), (2, 3, 4, 6)) if bn * bk <= 8192]  # bk: TMA boxes stop at 256
 DOT_CONFIGS = [K.GemvConfig(False, bn, bk, w, s, 2) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5)) if bn * bk <= 8192]
 

@@ -481,7 +481,7 @@ def gemv(
               n_blocks, act, split)
     if cfg.fma:
         block_m = _pow2(m)
-        block_k = max(64, min(block_k, 8192 // (block_m * block_n)))
+        block_k = max(64, min(block_k, 256, 8192 // (block_m * block_n)))  # 256: a TMA box's longest side
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])  # needs w 16-byte aligned
         _gemv_fma_kernel[(n_blocks, split)](  # W's row stride travels in its descriptor
             a, a.stride(0), w, w_desc, *common[4:], GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
