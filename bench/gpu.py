@@ -189,8 +189,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def exactness(model: RWKV7, runner) -> dict[str, float]:
-    """Our paths against the fp32 reference on the same (fp16) weights; relative logit errors."""
+def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Our paths against the fp32 reference on the same (fp16) weights: relative logit errors, and
+    the long prefill's per row (which row a large error comes from)."""
     from replicas.model.runner import ModelRunner  # noqa: PLC0415
 
     with torch.device("meta"):
@@ -210,11 +211,16 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
     chunks = [toks(n) for n in EXACTNESS_LENGTHS]
     expected = reference.prefill(slots, chunks)
 
+    rows: dict[str, list[float]] = {}
+
     def prefill_from_zero(**settings) -> float:
         with overridden(runner, **settings):
             for slot in slots:
                 runner.reset(slot)
-            return rel_err(runner.prefill(slots, chunks), expected)
+            ours = runner.prefill(slots, chunks)
+            rows[" ".join(f"{k}={v}" for k, v in settings.items())] = [
+                round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
+            return rel_err(ours, expected)
 
     for wkv in ("chunked", "recurrent") if runner.prefill_wkv == "chunked" else ("recurrent",):
         errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
@@ -256,7 +262,7 @@ def exactness(model: RWKV7, runner) -> dict[str, float]:
     errors["mixed step (short prefill + decode)"] = rel_err(ours, theirs)
     del reference
     torch.cuda.empty_cache()
-    return errors
+    return errors, rows
 
 
 def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
@@ -304,9 +310,11 @@ def bench_ours(name: str, args, results: dict) -> None:
     runner = CudaRunner(model, max_slots=max(DECODE_BATCHES))
     say(f"{name}: prefill wkv = {runner.prefill_wkv}; exactness against the fp32 reference")
     try:
-        errs = exactness(model, runner)
+        errs, rows = exactness(model, runner)
         results["exactness"][name] = errs
+        results["exactness_rows"][name] = rows
         say(f"{name}: relative logit errors {json.dumps({k: round(v, 5) for k, v in errs.items()})}")
+        say(f"{name}: long prefill per row ({', '.join(map(str, EXACTNESS_LENGTHS))} tokens): {json.dumps(rows)}")
     except Exception:
         say(f"{name}: exactness FAILED\n{traceback.format_exc()}")
         results["exactness"][name] = {"error": traceback.format_exc(limit=3)}
@@ -613,7 +621,8 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     models = args.models.split(",")
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "ours": {}, "rwkv": {}, "exactness": {}, "engine": {}, "explore": {}, "sampler": {}}
+               "ours": {}, "rwkv": {}, "exactness": {}, "exactness_rows": {}, "engine": {}, "explore": {},
+               "sampler": {}}
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     torch.backends.cudnn.allow_tf32 = False
     results["ceilings"] = measure_ceilings()
