@@ -308,10 +308,11 @@ def _mma(acc, a, w, SPLIT_A: tl.constexpr):
 
 
 @triton.jit
-def _gemv_program(A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m,
+def _gemv_program(A, lda, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m,
                   GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """What program (block of N, part of K) of a gemv reads: its output columns, activation,
-    K range [k_lo, k_hi), the row pointers of A and W at column 0 of that range, and the masks."""
+    K range [k_lo, k_hi), the row pointers of A at column 0 of that range, its first row of W,
+    and the masks."""
     pid_n = tl.program_id(0)
     if GROUPED:
         a_col = tl.load(table + pid_n)
@@ -329,8 +330,7 @@ def _gemv_program(A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m
     k_lo = tl.multiple_of(tl.program_id(1) * k_per, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per, k_len)
     a_rows = A + offs_m[:, None].to(tl.int64) * lda + a_col + offs_k[None, :]
-    w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + offs_k[None, :]
-    return offs_n, act, k_lo, k_hi, a_rows, w_rows, offs_m[:, None] < M, offs_n[:, None] < N, w_row
+    return offs_n, act, k_lo, k_hi, a_rows, w_row, offs_m[:, None] < M, offs_n[:, None] < N
 
 
 @triton.jit
@@ -353,8 +353,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n, act, k_lo, k_hi, a_rows, w_rows, m_mask, n_mask, _ = _gemv_program(
-        A, lda, W, ldw, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
+    offs_n, act, k_lo, k_hi, a_rows, w_row, m_mask, n_mask = _gemv_program(
+        A, lda, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
+    w_rows = W + (w_row + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * ldw + tl.arange(0, BLOCK_K)[None, :]
     # the first tile of W is loaded before waiting for the kernel that writes A (PDL)
     w = tl.load(w_rows + k_lo, mask=n_mask & (k_lo < k_hi), other=0.0)
     _after_predecessor(PDL)
@@ -369,7 +370,7 @@ def _gemv_kernel(
 
 @triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_fma_kernel(
-    A, lda, W, Wd, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
+    A, lda, Wd, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
     GROUPED: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -378,8 +379,8 @@ def _gemv_fma_kernel(
     W's tiles come through its TMA descriptor Wd, so the loop keeps STAGES - 1 of them in flight in
     shared memory (plain loads would hold them in registers, and registers bound the bytes in flight)."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n, act, k_lo, k_hi, a_rows, _, m_mask, _, w_row = _gemv_program(
-        A, lda, W, 0, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
+    offs_n, act, k_lo, k_hi, a_rows, w_row, m_mask, _ = _gemv_program(
+        A, lda, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
     w = Wd.load([w_row, k_lo]).to(tl.float32)  # before the wait (PDL); rows past W's end read as zeros
     _after_predecessor(PDL)
     a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
@@ -477,20 +478,20 @@ def gemv(
     split = 1
     if epi == EPI_ATOMIC_ADD:  # enough programs to keep every multiprocessor streaming
         split = max(1, min(triton.cdiv(cfg.per_sm * n_sm, n_blocks), k_max // block_k))
-    common = (a, a.stride(0), w, w.stride(0), y, y.stride(0), m, N, K, blocks if table is not None else y,
-              n_blocks, act, split)
+    rest = (y, y.stride(0), m, N, K, blocks if table is not None else y, n_blocks, act, split)
     if cfg.fma:
         block_m = _pow2(m)
         block_k = max(64, min(block_k, 256, 8192 // (block_m * block_n)))  # 256: a TMA box's longest side
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])  # needs w 16-byte aligned
         _gemv_fma_kernel[(n_blocks, split)](  # W's row stride travels in its descriptor
-            a, a.stride(0), w, w_desc, *common[4:], GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
+            a, a.stride(0), w_desc, *rest, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, num_warps=cfg.warps, **_pdl(),
         )
         return y
     block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
     _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
-        *common, GROUPED=table is not None, SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
+        a, a.stride(0), w, w.stride(0), *rest, GROUPED=table is not None,
+        SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages, **_pdl(),
     )
     return y
