@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replicas.model.config import ModelConfig  # noqa: E402
 from replicas.model.rwkv7 import RWKV7  # noqa: E402
+from replicas.model.state import RNNState  # noqa: E402
 
 SHAPES = {  # LoRA ranks of the released models (RWKV-LM's x070 formulas of C)
     "0.1b": ModelConfig(12, 768, 64, 65536, 3072, 64, 64, 32, 128),
@@ -213,12 +214,14 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
 
     rows: dict[str, list[float]] = {}
 
-    def prefill_from_zero(**settings) -> float:
+    zeros = RNNState.zeros(model.config, 1, runner.device)
+
+    def prefill_from_zero(fresh: bool = True, **settings) -> float:
         with overridden(runner, **settings):
-            for slot in slots:
-                runner.reset(slot)
+            for slot in slots:  # written zeros: the runner does not know the rows are new
+                runner.reset(slot) if fresh else runner.write_state(slot, zeros)
             ours = runner.prefill(slots, chunks)
-            rows[" ".join(f"{k}={v}" for k, v in settings.items())] = [
+            rows[" ".join([*(f"{k}={v}" for k, v in settings.items()), *([] if fresh else ["not fresh"])])] = [
                 round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
             return rel_err(ours, expected)
 
@@ -226,6 +229,8 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
         errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
     for_scale = f"(products written in fp16, for scale) prefill {runner.prefill_wkv}"
     errors[for_scale] = prefill_from_zero(fp32_outputs=False)  # what writing them in fp16 would cost
+    for_scale = f"(first tokens in fp16 too, for scale) prefill {runner.prefill_wkv}"
+    errors[for_scale] = prefill_from_zero(fresh=False)  # what the fp32 first token spares
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
     for slot in (6, 7):
         runner.reset(slot)
@@ -286,17 +291,24 @@ def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
 
 
 def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = True) -> float:
-    """A prefill shape that recurs (its CUDA graph replayed), or with graph=False, every call's
-    kernels launched one by one (what a shape seen for the first time costs)."""
+    """New prompts (rows from the zero state) in a prefill shape that recurs (its CUDA graphs
+    replayed), or with graph=False, every call's kernels launched one by one (what a shape seen
+    for the first time costs). Each row's first token takes the fp32 path (cuda_runner.prefill)."""
     slots = list(range(rows))
     chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
+
+    def new_prompts():
+        for slot in slots:
+            runner.reset(slot)
+        runner.prefill(slots, chunks)
+
     with overridden(runner, prefill_graphs=runner.prefill_graphs if graph else 0):
         for _ in range(2):  # compile, allocate; the second sight of a shape captures its graph
-            runner.prefill(slots, chunks)
+            new_prompts()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
-            runner.prefill(slots, chunks)
+            new_prompts()
         torch.cuda.synchronize()
         return rows * length * reps / (time.perf_counter() - start)
 

@@ -139,6 +139,7 @@ class CudaRunner(SlotStates):
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
+        self._fresh = set(range(max_slots))  # slots at the zero state (prefill treats their first token apart)
         self._tables()
         self._mm_f32, self._bmm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
@@ -163,6 +164,26 @@ class CudaRunner(SlotStates):
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
+        fresh = [i for i, row in enumerate(rows) if row in self._fresh]
+        self._fresh.difference_update(rows)
+        if not fresh or sum(len(c) for c in chunks) <= EXACT_PREFILL:
+            return self._prefill_call(rows, chunks)
+        # A row from the zero state: its first token's time-mix output is GroupNorm((r·k) v) per
+        # head, whose sign turns where r·k is near 0, so that token's fp16 activations can move the
+        # whole row's logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). First
+        # tokens take the fp32 gemv path first, the rest of each row the large path.
+        logits = torch.empty(len(rows), self.vocab_size, device=self.device)
+        for at in range(0, len(fresh), EXACT_PREFILL):
+            group = fresh[at:at + EXACT_PREFILL]
+            logits[group] = self._prefill_call([rows[i] for i in group], [chunks[i][:1] for i in group])
+        rest = [i for i in range(len(rows)) if len(chunks[i]) > 1 or i not in fresh]
+        if rest:
+            skip = set(fresh)
+            logits[rest] = self._prefill_call([rows[i] for i in rest],
+                                              [chunks[i][1:] if i in skip else chunks[i] for i in rest])
+        return logits
+
+    def _prefill_call(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         host, layout = self._batch_fields(rows, chunks)
         key = (tuple(len(c) for c in chunks), self.prefill_wkv, self.fp32_outputs)
         graph = self._prefill_graph(key, host, layout) if self.graphs and self.prefill_graphs else None
@@ -198,6 +219,7 @@ class CudaRunner(SlotStates):
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
         """Advances each row by one token; logits [R, V] fp32 (a fresh tensor, never overwritten)."""
         self._check_rows(rows, len(tokens))
+        self._fresh.difference_update(rows)  # (a fresh row's first token belongs in prefill: see there)
         B = len(rows)
         if not self.graphs:
             io = torch.tensor([list(tokens), list(rows)], dtype=torch.int32).to(self.device)
@@ -212,6 +234,14 @@ class CudaRunner(SlotStates):
         io.copy_(host, non_blocking=True)  # pinned: a true async copy (pageable memory may sync)
         graph.replay()
         return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
+
+    def reset(self, slot: int) -> None:
+        super().reset(slot)
+        self._fresh.add(slot)
+
+    def write_state(self, slot: int, state: RNNState) -> None:
+        super().write_state(slot, state)
+        self._fresh.discard(slot)
 
     def drop_graphs(self) -> None:
         """Forgets every captured graph, decode and prefill (after a launch setting such as `pdl`

@@ -20,6 +20,7 @@ import torch
 from replicas.model.config import ModelConfig
 from replicas.model.runner import ModelRunner
 from replicas.model.rwkv7 import RWKV7, init_random
+from replicas.model.state import RNNState
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -105,6 +106,31 @@ def test_prefill_ragged_rows(pair, wkv):
     assert rel_err(ours, theirs) <= TOLERANCE
     assert_states_close(runner, ref, slots)
     runner.prefill_wkv = "recurrent"
+
+
+def test_fresh_rows_start_on_the_fp32_path(pair):
+    """A row from the zero state (reset) has its first token computed apart, with fp32 activations:
+    there the time mix's output per head is GroupNorm((r·k) v), which turns sign where r·k is near
+    0, and fp16 activations at that one token moved the random 7.2B model's logits by 1e-2
+    (tools/fp16_rounding.py). In a call of over 128 tokens (the fp16 cuBLAS path), a fresh
+    one-token row comes out fp32-close, the same token from written zeros (not fresh) fp16-close;
+    fresh, used and one-token rows come back in their order."""
+    runner, ref = pair
+    V = ref.vocab_size
+    start_from_random_states(runner, ref, [2], seed=90)
+    for slot in (0, 5, 3, 6):
+        runner.reset(slot)
+        ref.reset(slot)
+    runner.write_state(6, RNNState.zeros(runner.config, 1, DEVICE))  # zeros, but not known to be fresh
+    slots = [0, 2, 5, 3, 6]
+    chunks = [[7], tokens(140, V, 91), tokens(20, V, 92), [7], [7]]
+    ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
+    assert rel_err(ours, theirs) <= TOLERANCE
+    assert_states_close(runner, ref, slots)
+    assert rel_err(ours[0], theirs[0]) <= 1e-4 and rel_err(ours[3], theirs[3]) <= 1e-4
+    assert rel_err(ours[4], theirs[4]) > 1e-4  # the fp16 path: what the fresh rows were spared
+    toks = tokens(5, V, 93)  # and every row goes on from where it is
+    assert rel_err(runner.decode(slots, toks), ref.decode(slots, toks)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("batch", [1, 2, 6, 8])
