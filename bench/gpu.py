@@ -290,15 +290,16 @@ def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
     return batch * steps / elapsed
 
 
-def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = True) -> float:
-    """New prompts (rows from the zero state) in a prefill shape that recurs (its CUDA graphs
-    replayed), or with graph=False, every call's kernels launched one by one (what a shape seen
-    for the first time costs). Each row's first token takes the fp32 path (cuda_runner.prefill)."""
+def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = True, fresh: bool = True) -> float:
+    """New prompts (rows from the zero state, whose first token takes the fp32 path: see
+    cuda_runner.prefill), or with fresh=False rows that go on from their states (a cached prefix),
+    in a prefill shape that recurs (its CUDA graph replayed), or with graph=False, every call's
+    kernels launched one by one (what a shape seen for the first time costs)."""
     slots = list(range(rows))
     chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
 
     def new_prompts():
-        for slot in slots:
+        for slot in slots if fresh else ():
             runner.reset(slot)
         runner.prefill(slots, chunks)
 
@@ -365,7 +366,10 @@ def bench_ours(name: str, args, results: dict) -> None:
             with overridden(runner, fp32_outputs=False):
                 fp16_out = time_prefill(runner, rows, length)
             results["explore"][f"{name}|{case} products written in fp16"] = fp16_out
-            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs")
+            going_on = time_prefill(runner, rows, length, fresh=False)
+            results["explore"][f"{name}|{case} going on from a state"] = going_on
+            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs; "
+                f"{going_on:,.0f} going on from a state")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     if args.explore and runner.prefill_wkv == "chunked" and not late(args):

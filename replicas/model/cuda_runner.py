@@ -167,34 +167,53 @@ class CudaRunner(SlotStates):
         fresh = [i for i, row in enumerate(rows) if row in self._fresh]
         self._fresh.difference_update(rows)
         if not fresh or sum(len(c) for c in chunks) <= EXACT_PREFILL:
-            return self._prefill_call(rows, chunks)
+            return self._prefill_parts([], (rows, chunks))[0]
         # A row from the zero state: its first token's time-mix output is GroupNorm((r·k) v) per
         # head, whose sign turns where r·k is near 0, so that token's fp16 activations can move the
         # whole row's logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). First
-        # tokens take the fp32 gemv path first, the rest of each row the large path.
+        # tokens take the gemv decode step (fp32 activations), then the rest of each row the large
+        # path, in one call (one graph).
+        groups = [fresh[at:at + AUTO_PATH_MAX] for at in range(0, len(fresh), AUTO_PATH_MAX)]
+        firsts = set(fresh)
+        rest = [i for i in range(len(rows)) if i not in firsts or len(chunks[i]) > 1]
+        outs = self._prefill_parts(
+            [([rows[i] for i in group], [chunks[i][0] for i in group]) for group in groups],
+            ([rows[i] for i in rest], [chunks[i][1:] if i in firsts else chunks[i] for i in rest]) if rest else None)
         logits = torch.empty(len(rows), self.vocab_size, device=self.device)
-        for at in range(0, len(fresh), EXACT_PREFILL):
-            group = fresh[at:at + EXACT_PREFILL]
-            logits[group] = self._prefill_call([rows[i] for i in group], [chunks[i][:1] for i in group])
-        rest = [i for i in range(len(rows)) if len(chunks[i]) > 1 or i not in fresh]
-        if rest:
-            skip = set(fresh)
-            logits[rest] = self._prefill_call([rows[i] for i in rest],
-                                              [chunks[i][1:] if i in skip else chunks[i] for i in rest])
+        for group, out in zip([*groups, rest], outs, strict=False):  # (rest may be empty)
+            logits[group] = out
         return logits
 
-    def _prefill_call(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
-        host, layout = self._batch_fields(rows, chunks)
-        key = (tuple(len(c) for c in chunks), self.prefill_wkv, self.fp32_outputs)
-        graph = self._prefill_graph(key, host, layout) if self.graphs and self.prefill_graphs else None
+    def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor]:
+        """Gemv decode steps (rows, tokens) of at most AUTO_PATH_MAX rows, then a prefill call
+        (rows, chunks), one after the other (as one graph where the shape recurs): their logits."""
+        pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens in steps]
+        layout = None
+        if call is not None:
+            fields, layout = self._batch_fields(*call)
+            pieces.append(fields)
+        host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
+        key = (tuple(len(rows) for rows, _ in steps), call and tuple(len(c) for c in call[1]), self.prefill_wkv,
+               self.fp32_outputs)
+
+        def body(dev: Tensor) -> list[Tensor]:
+            views, outs = dev.split(sizes), []
+            for view, (rows, _) in zip(views, steps, strict=False):  # (views may end with the call's)
+                outs.append(self._decode_body(view[:len(rows)], view[len(rows):], len(rows), small=True))
+            if call is not None:
+                outs.append(self._prefill_body(self._batch_views(views[-1], layout)))
+            return outs
+
+        graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs else None
         if graph is None:
-            return self._prefill_body(self._batch_views(self._to_device(host), layout))
-        captured, static, logits = graph
+            return body(self._to_device(host))
+        captured, static, outs = graph
         static.copy_(self._pinned(host), non_blocking=True)
         captured.replay()
-        return logits.clone()  # the graph's buffer is rewritten by the next replay
+        return [out.clone() for out in outs]  # the graph's buffers are rewritten by the next replay
 
-    def _prefill_graph(self, key, host: Tensor, layout) -> tuple | None:
+    def _prefill_graph(self, key, host: Tensor, body) -> tuple | None:
         """The graph of a prefill shape seen before (captured now if need be); None on first sight."""
         if key in self._prefill_graphs:
             self._prefill_graphs.move_to_end(key)
@@ -209,8 +228,8 @@ class CudaRunner(SlotStates):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._prefill_body(self._batch_views(static, layout))
-        self._prefill_graphs[key] = (graph, static, logits)
+            outs = body(static)
+        self._prefill_graphs[key] = (graph, static, outs)
         while len(self._prefill_graphs) > self.prefill_graphs:
             self._prefill_graphs.popitem(last=False)
         return self._prefill_graphs[key]
