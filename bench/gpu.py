@@ -400,7 +400,8 @@ def profile(runner) -> None:
     from torch.profiler import profile as torch_profile  # noqa: PLC0415
 
     chunk = torch.randint(0, runner.vocab_size, (4096,)).tolist()
-    cases = [("prefill 1×4096", lambda: runner.prefill([0], [chunk]))]  # kernel by kernel (no graph, below)
+    cases = [("prefill 1×4096", lambda: runner.prefill([0], [chunk])),  # kernel by kernel (no graph, below)
+             ("prefill 1×4096 of a new prompt", lambda: (runner.reset(0), runner.prefill([0], [chunk])))]
     for batch in (1, 256):
         tokens = torch.randint(0, runner.vocab_size, (batch,)).tolist()
         cases.append((f"decode {batch} (5 steps)", lambda b=batch, t=tokens: [runner.decode(list(range(b)), t)

@@ -201,7 +201,7 @@ def _ln_shift_mix_rows_kernel(
 # was 5% slower at 256 decode rows and 8% in a 4,096-token prefill (docs/gpu.md).
 PRELOAD_TOKENS = 64
 ROWS_TOKENS = 8  # at most this many tokens per program of the rows kernel,
-ROWS_PROGRAMS = 512  # fewer when there would be fewer programs than this
+ROWS_PROGRAMS = 512  # fewer (a power of 2) when there would be fewer programs than about this
 ROWS_WARPS = 8  # at most (no more threads than columns)
 
 
@@ -227,7 +227,8 @@ def ln_shift_mix(
     # before its replica's load
     warps = max(4, min(16, _pow2(C) // 64))
     if T > PRELOAD_TOKENS:
-        tok = 1 << max(0, min(ROWS_TOKENS, T // ROWS_PROGRAMS).bit_length() - 1)
+        # rounded up: a new prompt's 4,095 tokens after its first (cuda_runner.prefill) run 8 a program
+        tok = 1 << max(0, min(ROWS_TOKENS, -(-T // ROWS_PROGRAMS)).bit_length() - 1)
         _ln_shift_mix_rows_kernel[(triton.cdiv(T, tok),)](
             x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
             tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, T, C, LN_EPS,
