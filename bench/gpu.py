@@ -218,8 +218,11 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
 
     def prefill_from_zero(fresh: bool = True, **settings) -> float:
         with overridden(runner, **settings):
-            for slot in slots:  # written zeros: the runner does not know the rows are new
-                runner.reset(slot) if fresh else runner.write_state(slot, zeros)
+            for slot in slots:
+                if fresh:
+                    runner.reset(slot)
+                else:  # zeros written: the runner does not know the rows are new
+                    runner.write_state(slot, zeros)
             ours = runner.prefill(slots, chunks)
             rows[" ".join([*(f"{k}={v}" for k, v in settings.items()), *([] if fresh else ["not fresh"])])] = [
                 round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
