@@ -224,7 +224,8 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
                 else:  # zeros written: the runner does not know the rows are new
                     runner.write_state(slot, zeros)
             ours = runner.prefill(slots, chunks)
-            rows[" ".join([*(f"{k}={v}" for k, v in settings.items()), *([] if fresh else ["not fresh"])])] = [
+            label = " ".join(f"{k}={v}" for k, v in settings.items()) if fresh else "not fresh"
+            rows[label] = [
                 round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
             return rel_err(ours, expected)
 
@@ -301,18 +302,18 @@ def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = Tr
     slots = list(range(rows))
     chunks = [torch.randint(0, runner.vocab_size, (length,)).tolist() for _ in range(rows)]
 
-    def new_prompts():
+    def one_call():
         for slot in slots if fresh else ():
             runner.reset(slot)
         runner.prefill(slots, chunks)
 
     with overridden(runner, prefill_graphs=runner.prefill_graphs if graph else 0):
         for _ in range(2):  # compile, allocate; the second sight of a shape captures its graph
-            new_prompts()
+            one_call()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
-            new_prompts()
+            one_call()
         torch.cuda.synchronize()
         return rows * length * reps / (time.perf_counter() - start)
 

@@ -39,10 +39,15 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-def prefill_with(model, chunks: list[list[int]], linear_forward) -> torch.Tensor:
-    """Last-token logits of each row from a zero state, every nn.Linear running linear_forward."""
+def prefill(model, chunks: list[list[int]], round_in: bool = False, round_out: bool = False) -> torch.Tensor:
+    """Last-token logits of each row from a zero state, products' inputs/outputs rounded as asked."""
     plain = torch.nn.Linear.forward
-    torch.nn.Linear.forward = linear_forward
+
+    def forward(self, x):
+        y = F.linear(bf16(x) if round_in else x, self.weight)
+        return bf16(y) if round_out else y
+
+    torch.nn.Linear.forward = forward
     try:
         runner = ModelRunner(model, max_slots=len(chunks))
         rows = list(range(len(chunks)))
@@ -51,16 +56,6 @@ def prefill_with(model, chunks: list[list[int]], linear_forward) -> torch.Tensor
         return runner.prefill(rows, chunks).float()
     finally:
         torch.nn.Linear.forward = plain
-
-
-def prefill(model, chunks: list[list[int]], round_in: bool = False, round_out: bool = False) -> torch.Tensor:
-    """Last-token logits of each row from a zero state, products' inputs/outputs rounded as asked."""
-
-    def forward(self, x):
-        y = F.linear(bf16(x) if round_in else x, self.weight)
-        return bf16(y) if round_out else y
-
-    return prefill_with(model, chunks, forward)
 
 
 def main() -> None:

@@ -145,6 +145,15 @@ def _ln_shift_mix_kernel(
     tl.store(out + t * (NMIX * C) + groups * C + cols[None, :], mixed.to(out.dtype.element_ty), mask=gmask)
 
 
+@triton.jit
+def _residual_row(x_in, dx, t, cols, mask, C, HAS_DX: tl.constexpr):
+    """Token t's x_in + dx (zeros where masked)."""
+    x = tl.load(x_in + t * C + cols, mask=mask, other=0.0)
+    if HAS_DX:
+        x += tl.load(dx + t * C + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
 @triton.jit(do_not_specialize=["T"])
 def _ln_shift_mix_rows_kernel(
     x_in, dx, x_out, ln_w, ln_b, shift, tok_slot, tok_row, new_shift, mix, out, T, C, eps,
@@ -166,21 +175,14 @@ def _ln_shift_mix_rows_kernel(
     _after_predecessor(PDL)
     prev = tl.zeros([BLOCK_C], dtype=tl.float32)
     if PREFILL:  # the first token's predecessor, unless it starts its row (then the slot's shift, below)
-        xp = tl.load(x_in + (t0 - 1) * C + cols, mask=mask & (t0 > 0), other=0.0)
-        if HAS_DX:
-            xp += tl.load(dx + (t0 - 1) * C + cols, mask=mask & (t0 > 0), other=0.0).to(tl.float32)
-        prev = _layernorm(xp, w, b, mask, C, eps)
-    x_next = tl.load(x_in + t0 * C + cols, mask=mask & (t0 < T), other=0.0)
-    if HAS_DX:
-        x_next += tl.load(dx + t0 * C + cols, mask=mask & (t0 < T), other=0.0).to(tl.float32)
+        prev = _layernorm(_residual_row(x_in, dx, t0 - 1, cols, mask & (t0 > 0), C, HAS_DX), w, b, mask, C, eps)
+    x_next = _residual_row(x_in, dx, t0, cols, mask & (t0 < T), C, HAS_DX)
     for i in tl.static_range(TOK):
         t = t0 + i
         live = t < T
         xt = x_next
         if i + 1 < TOK:
-            x_next = tl.load(x_in + (t + 1) * C + cols, mask=mask & (t + 1 < T), other=0.0)
-            if HAS_DX:
-                x_next += tl.load(dx + (t + 1) * C + cols, mask=mask & (t + 1 < T), other=0.0).to(tl.float32)
+            x_next = _residual_row(x_in, dx, t + 1, cols, mask & (t + 1 < T), C, HAS_DX)
         slot = tl.load(tok_slot + t, mask=live, other=-1).to(tl.int64)  # decode: every token has one
         prev = tl.where(slot >= 0, tl.load(shift + tl.maximum(slot, 0) * C + cols, mask=mask & (slot >= 0)), prev)
         if STORE_X:

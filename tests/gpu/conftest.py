@@ -1,12 +1,24 @@
 """GPU tests also run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), slowly.
 
-The interpreter hands kernels their runtime scalars as one-element arrays, which Python's range
-refuses; this shim lets `tl.range` take them. Nothing changes when the interpreter is off.
+KERNEL_MARKS: for the modules that run the kernels on a GPU or under the interpreter. The
+interpreter hands kernels their runtime scalars as one-element arrays, which Python's range
+refuses; the shim below lets `tl.range` take them. Nothing changes when the interpreter is off.
 """
 
 import os
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+KERNEL_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
+]
+
+if INTERPRET:
     try:
         import triton.language as tl
         from triton.runtime import interpreter

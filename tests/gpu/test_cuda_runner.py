@@ -12,8 +12,6 @@ on the CPU under Triton's interpreter (slowly; no graphs, no fla): a check befor
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,13 +20,9 @@ from replicas.model.runner import ModelRunner
 from replicas.model.rwkv7 import RWKV7, init_random
 from replicas.model.state import RNNState
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
-]
-DEVICE = "cuda" if CUDA else "cpu"
+from .conftest import CUDA, DEVICE, KERNEL_MARKS
+
+pytestmark = KERNEL_MARKS
 TOLERANCE = 1e-2  # logits
 STATE_TOLERANCE = 3e-2  # states: sums of many bf16-rounded terms, some cancelling
 

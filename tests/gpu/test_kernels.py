@@ -10,18 +10,12 @@ Marked `gpu`; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
-]
-DEVICE = "cuda" if CUDA else "cpu"
+from .conftest import CUDA, DEVICE, INTERPRET, KERNEL_MARKS
+
+pytestmark = KERNEL_MARKS
 K = pytest.importorskip("replicas.model.kernels") if (CUDA or INTERPRET) else None
 
 CONFIGS = {
