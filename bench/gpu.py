@@ -231,8 +231,8 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
 
     for wkv in ("chunked", "recurrent") if runner.prefill_wkv == "chunked" else ("recurrent",):
         errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
-    for_scale = f"(products written in fp16, for scale) prefill {runner.prefill_wkv}"
-    errors[for_scale] = prefill_from_zero(fp32_outputs=False)  # what writing them in fp16 would cost
+    for_scale = f"(products written in fp32, for scale) prefill {runner.prefill_wkv}"
+    errors[for_scale] = prefill_from_zero(fp32_outputs=True)  # what writing them in fp32 would buy
     for_scale = f"(first tokens in fp16 too, for scale) prefill {runner.prefill_wkv}"
     errors[for_scale] = prefill_from_zero(fresh=False)  # what the fp32 first token spares
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
@@ -240,11 +240,12 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
         runner.reset(slot)
         reference.reset(slot)
     errors["prefill short (gemv)"] = rel_err(runner.prefill([6, 7], short), reference.prefill([6, 7], short))
-    for name, small in (("decode gemv (graph)", 16), ("decode cuBLAS (graph)", 0)):
+    for name, small, settings in (("decode gemv (graph)", 16, {}), ("decode cuBLAS (graph)", 0, {}),
+                                  ("(products written in fp32, for scale) decode cuBLAS", 0, {"fp32_outputs": True})):
         worst = 0.0
         for slot in slots:  # each path from the reference's states: its own error, not the prefill's
             runner.write_state(slot, reference.read_state(slot))
-        with overridden(runner, small_batch=small, auto_path=False):
+        with overridden(runner, small_batch=small, auto_path=False, **settings):
             for _ in range(3):
                 t = toks(len(slots))
                 worst = max(worst, rel_err(runner.decode(slots, t), reference.decode(slots, t)))
@@ -367,12 +368,12 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["ours"][f"{name}|{case}"] = rate
             eager = time_prefill(runner, rows, length, graph=False)
             results["explore"][f"{name}|{case} without graph"] = eager
-            with overridden(runner, fp32_outputs=False):
-                fp16_out = time_prefill(runner, rows, length)
-            results["explore"][f"{name}|{case} products written in fp16"] = fp16_out
+            with overridden(runner, fp32_outputs=True):
+                fp32_out = time_prefill(runner, rows, length)
+            results["explore"][f"{name}|{case} products written in fp32"] = fp32_out
             going_on = time_prefill(runner, rows, length, fresh=False)
             results["explore"][f"{name}|{case} going on from a state"] = going_on
-            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp16_out:,.0f} fp16 outputs; "
+            say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp32_out:,.0f} fp32 outputs; "
                 f"{going_on:,.0f} going on from a state")
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")

@@ -111,7 +111,7 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             if random_rows:
-                index = torch.tensor(random_rows, device=x.device)
+                index = _upload(random_rows, x.device)
                 chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
                 tokens = tokens.index_put((index,), chosen)
         token_list = tokens.tolist()  # the one host synchronisation of a step
@@ -121,17 +121,17 @@ class Sampler:
     def _apply_bias(self, x: Tensor, params: Sequence[SamplingParams]) -> None:
         for i, p in enumerate(params):
             if p.logit_bias:
-                ids = torch.tensor([int(t) for t in p.logit_bias], device=x.device)
-                x[i].index_add_(0, ids, torch.tensor([float(b) for b in p.logit_bias.values()], device=x.device))
+                ids = _upload([int(t) for t in p.logit_bias], x.device)
+                x[i].index_add_(0, ids, _upload([float(b) for b in p.logit_bias.values()], x.device))
 
     def _apply_penalties(self, x: Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.penalized]
         if not rows:
             return
-        index = torch.tensor(rows, device=x.device)
-        counts = self.counts[torch.tensor([slots[i] for i in rows], device=x.device)]
-        presence = torch.tensor([params[i].presence_penalty for i in rows], device=x.device)[:, None]
-        frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=x.device)[:, None]
+        index = _upload(rows, x.device)
+        counts = self.counts[_upload([slots[i] for i in rows], x.device)]
+        presence = _upload([params[i].presence_penalty for i in rows], x.device)[:, None]
+        frequency = _upload([params[i].frequency_penalty for i in rows], x.device)[:, None]
         x[index] -= presence * (counts > 0) + frequency * counts
 
     def _record(self, slots: Sequence[int], tokens: Sequence[int], params: Sequence[SamplingParams]) -> None:
@@ -139,9 +139,19 @@ class Sampler:
         if not rows:
             return
         device = self.counts.device
-        index = torch.tensor([slots[i] for i in rows], device=device)  # a slot holds one row: no index repeats
-        self.counts[index] *= torch.tensor([params[i].penalty_decay for i in rows], device=device)[:, None]
-        self.counts[index, torch.tensor([tokens[i] for i in rows], device=device)] += 1.0
+        index = _upload([slots[i] for i in rows], device)  # a slot holds one row: no index repeats
+        self.counts[index] *= _upload([params[i].penalty_decay for i in rows], device)[:, None]
+        self.counts[index, _upload([tokens[i] for i in rows], device)] += 1.0
+
+
+def _upload(values, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A list as a tensor on device, queued behind the device's work instead of waiting for it: a
+    copy from pageable host memory waits until everything queued before it has run (the decode
+    step, the sampler's earlier kernels), one from pinned memory does not."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> Tensor:
@@ -152,14 +162,14 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     """
     B, V = x.shape
     device = x.device
-    x = x / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    x = x / _upload([p.temperature for p in params], device)[:, None]
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
         x = x.masked_fill(x < _cutoffs(x, k, [p.top_p for p in params]), float("-inf"))
     cdf = torch.softmax(x, dim=-1).cumsum_(-1)
     total = cdf[:, -1:]
     # strictly below the total, so the first index whose CDF exceeds it exists and has mass
-    target = torch.minimum(torch.tensor(uniforms, device=device, dtype=cdf.dtype)[:, None] * total,
+    target = torch.minimum(_upload(uniforms, device, cdf.dtype)[:, None] * total,
                            torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
@@ -217,19 +227,18 @@ def _masses(x: Tensor, log_z: Tensor) -> Tensor:
 
 
 class _WindowRows:
-    """What the window needs to know of each row, on the device. Made before the window's work is
-    queued: an upload from the host waits for the work queued before it."""
+    """What the window needs to know of each row, on the device (uploaded as _upload says)."""
 
     def __init__(self, k: list[int], top_p: list[float], W: int, V: int, device: torch.device):
         everything = [kk >= V and p >= 1.0 for kk, p in zip(k, top_p, strict=True)]
         # a row is decided when fewer than `limit` of its window's tokens are kept
         limit = [W + 1 if kk <= W or every else W if kk >= V else 0 for kk, every in zip(k, everything, strict=True)]
-        ints = torch.tensor([[kk, min(kk, W), lim] for kk, lim in zip(k, limit, strict=True)], device=device)
+        ints = _upload([[kk, min(kk, W), lim] for kk, lim in zip(k, limit, strict=True)], device)
         self.k, self.k_w, self.limit = ints[:, :1], ints[:, 1:2], ints[:, 2:]
         p_w = [p if p < 1.0 else 2.0 for p in top_p]  # 2: the whole top k
-        floats = torch.tensor(list(zip(top_p, p_w, strict=True)), device=device, dtype=torch.float64)
+        floats = _upload(list(zip(top_p, p_w, strict=True)), device, torch.float64)
         self.p, self.p_w = floats[:, :1], floats[:, 1:]
-        flags = torch.tensor([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device=device)
+        flags = _upload([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device)
         self.in_window, self.everything = flags[:, :1], flags[:, 1:]
 
     def cutoffs(self, values: Tensor, mass: Tensor) -> tuple[Tensor, Tensor]:
@@ -311,10 +320,10 @@ def _logprobs(x: Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]
     out: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return out
-    logp = torch.log_softmax(x[torch.tensor(rows, device=x.device)], dim=-1)
+    logp = torch.log_softmax(x[_upload(rows, x.device)], dim=-1)
     width = max(params[i].logprobs or 0 for i in rows)
     top_v, top_i = torch.topk(logp, width, dim=-1) if width else (None, None)
-    chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows], device=x.device)[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, _upload([tokens[i] for i in rows], x.device)[:, None])[:, 0].tolist()
     for j, i in enumerate(rows):
         n = params[i].logprobs or 0
         top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)) if n else ()

@@ -75,12 +75,29 @@ def _source(kernel, args, kwargs):
     bound = dict(zip(names, args, strict=False)) | kwargs
     constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}
     signature = {name: "constexpr" if name in constexprs else _arg_type(bound[name]) for name in names}
-    return ASTSource(kernel, signature, constexprs=constexprs), constexprs, options
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=_alignment(kernel, args, kwargs))
+    return source, constexprs, options
+
+
+def _alignment(kernel, args, kwargs) -> dict:
+    """What the JIT tells the compiler at a launch: which pointers (data_ptr % 16) and integers
+    (% 16, where not do_not_specialize) are multiples of 16. Without it the compiler cannot prove
+    rows contiguous and aligned, and loads neither vectorise nor pipeline as they do on the GPU."""
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import make_backend  # noqa: PLC0415
+    from triton.runtime.jit import create_function_from_signature  # noqa: PLC0415
+
+    backend = make_backend(GPUTarget(*TARGET))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound, specialization, options)[3]
 
 
 def exercise_runner() -> list:
-    """Runs the runner's decode and prefill paths on the CPU with PDL on, in fp16 and bf16;
-    returns the launches."""
+    """Runs the runner's decode and prefill paths on the CPU with PDL on, in fp16 and bf16, and the
+    chunked form's pass over the chunks (which the runner reaches only with fla on a GPU) at each
+    block of values; returns the launches."""
+    from replicas.model import wkv_chunk  # noqa: PLC0415
     from replicas.model.config import ModelConfig  # noqa: PLC0415
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
     from replicas.model.rwkv7 import RWKV7, init_random  # noqa: PLC0415
@@ -95,6 +112,12 @@ def exercise_runner() -> list:
                 runner.decode(list(range(rows)), [1] * rows)
             runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
             runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
+            T, H, N = 200, 4, 64
+            chunked = [torch.zeros(T, H, n, dtype=dt) for n, dt in ((N, dtype),) * 6 + ((N, torch.float32),)
+                       + ((wkv_chunk.CHUNK, dtype),) * 2]
+            state, rows = torch.zeros(8, H, N, N), torch.zeros(2, dtype=torch.int64)
+            for n_sm in (1, 12, 10**6):  # 64, 32, 16 values a program
+                wkv_chunk.state_out(*chunked, state, rows, torch.tensor([0, 100, T]), n_sm)
     return launches
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels as K
+from . import wkv_chunk
 from .runner import SlotStates
 from .rwkv7 import RWKV7
 from .state import RNNState
@@ -135,8 +135,9 @@ class CudaRunner(SlotStates):
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
-        # products whose outputs feed the residual or the recurrence write fp32 (cuBLAS path)
-        self.fp32_outputs = True
+        # True: products whose outputs feed the residual or the recurrence write fp32 (cuBLAS path);
+        # off by default: 5% slower prefill for 1.5B, 3% for 7.2B, and no exactness left to buy (docs/gpu.md)
+        self.fp32_outputs = False
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
@@ -282,7 +283,7 @@ class CudaRunner(SlotStates):
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         """The decode graph of a bucket, captured on first use along the path chosen for it."""
         small = self._small_path(bucket)
-        key = (bucket, small)
+        key = (bucket, small, self.fp32_outputs)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, small)
         return self._graphs[key]
@@ -296,7 +297,7 @@ class CudaRunner(SlotStates):
         if bucket not in self.path_choice:
             times = {}
             for small in (True, False):
-                key = (bucket, small)
+                key = (bucket, small, self.fp32_outputs)
                 self._graphs[key] = self._capture(bucket, small)
                 times[small] = _replay_ms(self._graphs[key][0])
             # the gemv path keeps activations fp32 (greedy text as on the CPU): it is kept unless
@@ -406,8 +407,8 @@ class CudaRunner(SlotStates):
         fields = [tokens, tok_slot, tok_row, lasts,
                   slots, torch.stack([slots, starts, lengths], 1).view(-1), cu]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
-        if chunked:  # fla's chunk index: (row, chunk within the row) for every chunk of FLA_CHUNK tokens
-            n_chunks = (lengths + FLA_CHUNK - 1) // FLA_CHUNK
+        if chunked:  # fla's chunk index: (row, chunk within the row) for every chunk of wkv_chunk.CHUNK tokens
+            n_chunks = (lengths + wkv_chunk.CHUNK - 1) // wkv_chunk.CHUNK
             row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
             first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
             fields.append(torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1).view(-1))
@@ -497,12 +498,9 @@ class CudaRunner(SlotStates):
         state = self.states.wkv[i]  # [S + 1, H, N, N]
         if wkv == "recurrent":
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
-        T, H, N = r.shape[0], self.H, self.N
         r = r.to(k.dtype)  # fla takes q, k, v, a, b in one dtype; r may come fp32 from cuBLAS (fp32_outputs)
-        s0 = state.index_select(0, batch.slots).transpose(-1, -2).contiguous()  # fla keeps [R, H, K, V]
-        o, s1 = _fla_chunk(*(t.view(1, T, H, N) for t in (r, k, v, a, b, w_log)), s0, batch)
-        state.index_copy_(0, batch.slots, s1.transpose(-1, -2))
-        return o.view(T, self.C)
+        return wkv_chunk.chunk_prefill(r, k, v, a, b, w_log, state, batch.slots, batch.cu_seqlens,
+                                       batch.chunk_indices, self.n_sm)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -570,7 +568,7 @@ class CudaRunner(SlotStates):
         if choice == "recurrent" or self.device.type != "cuda":
             return "recurrent"
         try:
-            _fla_import()
+            wkv_chunk.fla_stages()
             return "chunked"
         except ImportError:
             if choice == "chunked":
@@ -595,54 +593,3 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
-
-
-# -- fla-core's chunked RWKV-7 recurrence ---------------------------------------------------------
-
-FLA_CHUNK = 64  # chunk length; w_log >= -DECAY_SCALE keeps fla's tensor-core scheme exact at 64
-
-
-_FLA_PINNED = False
-
-
-def _fla_import():
-    global _FLA_PINNED
-    from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd  # noqa: PLC0415
-
-    if not _FLA_PINNED and os.environ.get("RWKV_FLEET_FLA_AUTOTUNE") != "1":
-        _pin_autotuners("fla.")
-        _FLA_PINNED = True
-    return chunk_dplr_fwd
-
-
-def _pin_autotuners(prefix: str) -> None:
-    """Gives each Triton autotuner in the modules under `prefix` one config (4 warps, 2 stages,
-    the largest block up to 64). fla autotunes every kernel over up to 27 configs on first use,
-    which costs minutes of compiling at every start; RWKV_FLEET_FLA_AUTOTUNE=1 keeps its tuning.
-    """
-    from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
-
-    def score(config):
-        blocks = sum(v for v in config.kwargs.values() if isinstance(v, int) and v <= 64)
-        return abs(config.num_warps - 4), abs((config.num_stages or 2) - 2), -blocks
-
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(prefix) or module is None:
-            continue
-        for value in list(vars(module).values()):
-            seen = 0
-            while value is not None and seen < 4:  # heuristics/autotune wrappers nest through .fn
-                if isinstance(value, Autotuner) and len(value.configs) > 1:
-                    value.configs = [min(value.configs, key=score)]
-                value, seen = getattr(value, "fn", None), seen + 1
-
-
-def _fla_chunk(r, k, v, a, b, w_log, s0, batch: _Batch) -> tuple[Tensor, Tensor]:
-    """fla-core 0.6's forward, called below its autograd wrapper so that the chunk index comes
-    from our one host copy (the public chunk_rwkv7 builds it with a synchronising copy)."""
-    chunk_dplr_fwd = _fla_import()
-    o, s1, _, _ = chunk_dplr_fwd(
-        q=r, k=k, v=v, a=a, b=b, gk=w_log, scale=1.0, initial_state=s0, output_final_state=True,
-        cu_seqlens=batch.cu_seqlens, chunk_size=FLA_CHUNK, safe_gate=True, chunk_indices=batch.chunk_indices,
-    )
-    return o, s1
