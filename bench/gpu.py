@@ -232,7 +232,7 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
     for wkv in ("chunked", "recurrent") if runner.prefill_wkv == "chunked" else ("recurrent",):
         errors[f"prefill {wkv}"] = prefill_from_zero(prefill_wkv=wkv)
     for_scale = f"(products written in fp32, for scale) prefill {runner.prefill_wkv}"
-    errors[for_scale] = prefill_from_zero(fp32_outputs=True)  # what writing them in fp32 would buy
+    errors[for_scale] = prefill_from_zero(fp32_outputs_prefill=True)  # what writing them in fp32 would buy
     for_scale = f"(first tokens in fp16 too, for scale) prefill {runner.prefill_wkv}"
     errors[for_scale] = prefill_from_zero(fresh=False)  # what the fp32 first token spares
     short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
@@ -240,8 +240,9 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
         runner.reset(slot)
         reference.reset(slot)
     errors["prefill short (gemv)"] = rel_err(runner.prefill([6, 7], short), reference.prefill([6, 7], short))
+    fp16_out = {"fp32_outputs_decode": False}
     for name, small, settings in (("decode gemv (graph)", 16, {}), ("decode cuBLAS (graph)", 0, {}),
-                                  ("(products written in fp32, for scale) decode cuBLAS", 0, {"fp32_outputs": True})):
+                                  ("(products written in fp16, for scale) decode cuBLAS", 0, fp16_out)):
         worst = 0.0
         for slot in slots:  # each path from the reference's states: its own error, not the prefill's
             runner.write_state(slot, reference.read_state(slot))
@@ -350,6 +351,13 @@ def bench_ours(name: str, args, results: dict) -> None:
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
+    for batch in (64, 256):  # cuBLAS's products written in fp16 instead (what fp32_outputs_decode buys)
+        if late(args):
+            break
+        with overridden(runner, fp32_outputs_decode=False):
+            rate = time_decode(runner, batch)
+        results["explore"][f"{name}|decode {batch} products written in fp16"] = rate
+        say(f"{name}: decode {batch}, products written in fp16: {rate:,.0f} tokens/s")
     if args.explore and not late(args):  # both decode paths at the batch sizes where either could be chosen
         for batch, small in ((1, 0), (8, 8), (8, 0), (32, 32), (32, 0), (64, 64), (64, 0)):
             try:
@@ -368,7 +376,7 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["ours"][f"{name}|{case}"] = rate
             eager = time_prefill(runner, rows, length, graph=False)
             results["explore"][f"{name}|{case} without graph"] = eager
-            with overridden(runner, fp32_outputs=True):
+            with overridden(runner, fp32_outputs_prefill=True):
                 fp32_out = time_prefill(runner, rows, length)
             results["explore"][f"{name}|{case} products written in fp32"] = fp32_out
             going_on = time_prefill(runner, rows, length, fresh=False)

@@ -135,9 +135,11 @@ class CudaRunner(SlotStates):
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
-        # True: products whose outputs feed the residual or the recurrence write fp32 (cuBLAS path);
-        # off by default: 5% slower prefill for 1.5B, 3% for 7.2B, and no exactness left to buy (docs/gpu.md)
-        self.fp32_outputs = False
+        # cuBLAS products whose outputs feed the residual or the recurrence write fp32 (True) or the
+        # runner's dtype. H200 (docs/gpu.md): fp32 is 4-7% faster at 64-256 decode rows, the runner's
+        # dtype 5% faster in long prefill; either way the logits' errors differ by < 3e-4
+        self.fp32_outputs_decode = True
+        self.fp32_outputs_prefill = False
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
@@ -197,7 +199,7 @@ class CudaRunner(SlotStates):
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple(len(rows) for rows, _ in steps), call and tuple(len(c) for c in call[1]), self.prefill_wkv,
-               self.fp32_outputs)
+               self.fp32_outputs_prefill)
 
         def body(dev: Tensor) -> list[Tensor]:
             views, outs = dev.split(sizes), []
@@ -283,7 +285,7 @@ class CudaRunner(SlotStates):
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         """The decode graph of a bucket, captured on first use along the path chosen for it."""
         small = self._small_path(bucket)
-        key = (bucket, small, self.fp32_outputs)
+        key = (bucket, small, self.fp32_outputs_decode)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, small)
         return self._graphs[key]
@@ -297,7 +299,7 @@ class CudaRunner(SlotStates):
         if bucket not in self.path_choice:
             times = {}
             for small in (True, False):
-                key = (bucket, small, self.fp32_outputs)
+                key = (bucket, small, self.fp32_outputs_decode)
                 self._graphs[key] = self._capture(bucket, small)
                 times[small] = _replay_ms(self._graphs[key][0])
             # the gemv path keeps activations fp32 (greedy text as on the CPU): it is kept unless
@@ -353,12 +355,13 @@ class CudaRunner(SlotStates):
                 K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
                 K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
             else:
-                rkv, lora = self._projections(lw, mixed, B)
+                fp32 = self.fp32_outputs_decode
+                rkv, lora = self._projections(lw, mixed, B, fp32)
                 y = K.wkv_decode(tuple(rkv), lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0,
                                  self.dtype)
-                dx = self._mm_out(y, lw.wo.t())
+                dx = self._mm_out(y, lw.wo.t(), fp32)
                 kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
-                dx = self._ffn(lw, kin)
+                dx = self._ffn(lw, kin, fp32)
         hn = K.add_ln(x, dx, *self.ln_out, None, act)
         if small:
             logits = torch.empty(B, self.vocab_size, device=dev, dtype=torch.float32)
@@ -367,29 +370,29 @@ class CudaRunner(SlotStates):
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
 
-    def _projections(self, lw: _Layer, mixed: Tensor, T: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
         """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
         [T, C] views, from two batched products over the four LoRAs padded to one width (three
         launches and two activations where eight products of their own widths took ten: 1.14x
         at 256 decode rows of the 1.5B shape, the same prefill rate)."""
         C = self.C
-        rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t)
+        rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
         hidden = torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t)  # from xv, xw, xa, xg
         hidden[1].tanh_()
         hidden[3].sigmoid_()
-        return rkv, _kernel_order(self._bmm_out(hidden, lw.w2_t).unbind(0))
+        return rkv, _kernel_order(self._bmm_out(hidden, lw.w2_t, fp32).unbind(0))
 
-    def _ffn(self, lw: _Layer, kin: Tensor) -> Tensor:
+    def _ffn(self, lw: _Layer, kin: Tensor, fp32: bool) -> Tensor:
         k = K.relu2_(torch.mm(kin, lw.wfk.t()))
-        return self._mm_out(k, lw.wfv.t())
+        return self._mm_out(k, lw.wfv.t(), fp32)
 
-    def _mm_out(self, a: Tensor, b: Tensor) -> Tensor:
-        """a · b from cuBLAS, written in fp32 where fp32_outputs (one rounding less per product on
-        the way into the residual or the recurrence), else in the runner's dtype."""
-        return self._mm_f32(a, b) if self.fp32_outputs else torch.mm(a, b)
+    def _mm_out(self, a: Tensor, b: Tensor, fp32: bool) -> Tensor:
+        """a · b from cuBLAS, written in fp32 (one rounding less per product on the way into the
+        residual or the recurrence), else in the runner's dtype."""
+        return self._mm_f32(a, b) if fp32 else torch.mm(a, b)
 
-    def _bmm_out(self, a: Tensor, b: Tensor) -> Tensor:
-        return self._bmm_f32(a, b) if self.fp32_outputs else torch.bmm(a, b)
+    def _bmm_out(self, a: Tensor, b: Tensor, fp32: bool) -> Tensor:
+        return self._bmm_f32(a, b) if fp32 else torch.bmm(a, b)
 
     # -- prefill -------------------------------------------------------------------------------
 
@@ -458,7 +461,7 @@ class CudaRunner(SlotStates):
                 rkv = [proj[:, j * C:(j + 1) * C] for j in range(3)]
                 lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
-                rkv, lora = self._projections(lw, mixed, T)
+                rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
             w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
                                                      lw.prm, H, i == 0, kv_dtype)
             o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
@@ -471,7 +474,7 @@ class CudaRunner(SlotStates):
                 K.gemv(kin, lw.wfk, kf, T, act=K.ACT_RELU2, n_sm=self.n_sm)
                 dx = self._product(kf, lw.wfv, exact)
             else:
-                dx = self._ffn(lw, kin)
+                dx = self._ffn(lw, kin, self.fp32_outputs_prefill)
         hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, act)
         if exact:
             logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
@@ -489,7 +492,7 @@ class CudaRunner(SlotStates):
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
         """a · wᵀ: fp32 from the gemv (split-K, added into zeros), or from cuBLAS (see _mm_out)."""
         if not exact:
-            return self._mm_out(a, w.t())
+            return self._mm_out(a, w.t(), self.fp32_outputs_prefill)
         out = torch.zeros(a.shape[0], w.shape[0], device=self.device, dtype=torch.float32)
         return K.gemv(a, w, out, a.shape[0], epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
 
@@ -498,7 +501,7 @@ class CudaRunner(SlotStates):
         state = self.states.wkv[i]  # [S + 1, H, N, N]
         if wkv == "recurrent":
             return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
-        r = r.to(k.dtype)  # fla takes q, k, v, a, b in one dtype; r may come fp32 from cuBLAS (fp32_outputs)
+        r = r.to(k.dtype)  # fla takes q, k, v, a, b in one dtype (r is fp32 with fp32_outputs_prefill)
         return wkv_chunk.chunk_prefill(r, k, v, a, b, w_log, state, batch.slots, batch.cu_seqlens,
                                        batch.chunk_indices, self.n_sm)
 
