@@ -16,8 +16,8 @@ pad a bucket run on the scratch slot. Per layer:
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
-recurrence in the chunked parallel form (fla-core's chunk_rwkv7 with cu_seqlens) or, without
-fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
+recurrence in the chunked parallel form (wkv_chunk.py: fla-core's parallel stages, our pass over
+the chunks) or, without fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
 host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
 before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
 gemv decode step, fp32 activations: see prefill.
@@ -136,8 +136,8 @@ class CudaRunner(SlotStates):
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
         # cuBLAS products whose outputs feed the residual or the recurrence write fp32 (True) or the
-        # runner's dtype. H200 (docs/gpu.md): fp32 is 4-7% faster at 64-256 decode rows, the runner's
-        # dtype 5% faster in long prefill; either way the logits' errors differ by < 3e-4
+        # runner's dtype. H200 (docs/gpu.md): fp32 is 1-7% faster at 64-256 decode rows, fp16 3-6%
+        # faster in the prefill of 4,096 tokens; either way the logits' errors differ by < 3e-4
         self.fp32_outputs_decode = True
         self.fp32_outputs_prefill = False
         self._pack(model)

@@ -4,14 +4,15 @@ over the chunks.
 fla-core 0.6's `chunk_dplr_fwd` runs five stages: the decay's cumulative sum within chunks, the
 intra-chunk matrices, the WY representation (these three parallel over chunks), the state pass
 (sequential over a row's chunks) and the output (parallel again, from every chunk's state, which
-the pass wrote out). Its state pass loads a chunk's tiles only when it gets there, so one row of 64
-chunks waits on memory 64 times in a row: 5.1 ms of a 1.5B model's 4,096-token prefill on an H200,
-more than the three parallel stages together.
+the pass wrote out). Its state pass loads a chunk's tiles only when it gets there; with the output
+kernel it took 5.9 ms of a 1.5B model's 4,096-token prefill on an H200.
 
-`_state_out_kernel` takes the last two stages' place. A program per (row, head, block of values)
-walks its row's chunks with the next chunks' tiles already loading (Triton's software pipelining),
-computes each chunk's output from the state it holds, and keeps that state in registers from the
-slot's state to its new one, read and written in place (fla's took a gather and a scatter).
+`_state_out_kernel` takes the last two stages' place (4.6 ms there). A program per (row, head,
+block of values) walks its row's chunks with the next chunks' tiles already loading (Triton's
+software pipelining), computes each chunk's output from the state it holds, and keeps that state
+in registers from the slot's state to its new one, read and written in place (fla's took a gather
+and a scatter). What bounds it: each chunk's seven small products run one after another, about
+2.9 µs a chunk (docs/gpu.md).
 
 Same math and roundings as fla's two kernels (chunk_h_fwd.py, chunk_o_fwd.py), per chunk of BT
 tokens with h the state [N keys, BV values] at the chunk's start:
