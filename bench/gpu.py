@@ -225,8 +225,7 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
                     runner.write_state(slot, zeros)
             ours = runner.prefill(slots, chunks)
             label = " ".join(f"{k}={v}" for k, v in settings.items()) if fresh else "not fresh"
-            rows[label] = [
-                round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
+            rows[label] = [round(rel_err(ours[i], expected[i]), 6) for i in range(len(slots))]
             return rel_err(ours, expected)
 
     for wkv in ("chunked", "recurrent") if runner.prefill_wkv == "chunked" else ("recurrent",):

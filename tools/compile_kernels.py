@@ -115,9 +115,9 @@ def exercise_runner() -> list:
             T, H, N = 200, 4, 64
             chunked = [torch.zeros(T, H, n, dtype=dt) for n, dt in ((N, dtype),) * 6 + ((N, torch.float32),)
                        + ((wkv_chunk.CHUNK, dtype),) * 2]
-            state, rows = torch.zeros(8, H, N, N), torch.zeros(2, dtype=torch.int64)
+            state, slots = torch.zeros(8, H, N, N), torch.zeros(2, dtype=torch.int64)
             for n_sm in (1, 12, 10**6):  # 64, 32, 16 values a program
-                wkv_chunk.state_out(*chunked, state, rows, torch.tensor([0, 100, T]), n_sm)
+                wkv_chunk.state_out(*chunked, state, slots, torch.tensor([0, 100, T]), n_sm)
     return launches
 
 

@@ -27,6 +27,11 @@ figure), for several draws of tokens, and the rms over draws.
 
     python tools/fp16_rounding.py [--model 1.5b] [--layers N] [--draws 3] [--cases gpu,gpu-ffn_k]
 
+The points are those of the runner with fp32 product outputs (`fp32_outputs_prefill=True`, the
+default until 12-01f). Its default now also writes r, k, v, the LoRAs' second stages and the
+residual's two updates in fp16; this tool does not round those (measured on the GPU instead: 1-2e-4
+more, docs/gpu.md).
+
 The model is held in fp16 and each product's weight widened to fp32 when used, so 7.2B's 32
 layers fit in 24 GB (about 30 s a prefill on two cores).
 """

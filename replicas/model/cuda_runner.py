@@ -17,8 +17,8 @@ pad a bucket run on the scratch slot. Per layer:
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
 recurrence in the chunked parallel form (wkv_chunk.py: fla-core's parallel stages, our pass over
-the chunks) or, without fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python loop over tokens, no
-host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
+the chunks) or, without fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
+loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
 before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
 gemv decode step, fp32 activations: see prefill.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each

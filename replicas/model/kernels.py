@@ -201,7 +201,7 @@ def _ln_shift_mix_rows_kernel(
 # Up to this many tokens, a program a token (few tokens: their columns spread over programs); more
 # take the rows kernel, which reads the mixes once for a run of tokens: on an H200 a program a token
 # was 5% slower at 256 decode rows and 8% in a 4,096-token prefill (docs/gpu.md).
-PRELOAD_TOKENS = 64
+TOKEN_PROGRAMS_MAX = 64
 ROWS_TOKENS = 8  # at most this many tokens per program of the rows kernel,
 ROWS_PROGRAMS = 512  # fewer (a power of 2) when there would be fewer programs than about this
 ROWS_WARPS = 8  # at most (no more threads than columns)
@@ -228,7 +228,7 @@ def ln_shift_mix(
     # no more threads than columns: a replicated element's store (x updated in place) could land
     # before its replica's load
     warps = max(4, min(16, _pow2(C) // 64))
-    if T > PRELOAD_TOKENS:
+    if T > TOKEN_PROGRAMS_MAX:
         # rounded up: a new prompt's 4,095 tokens after its first (cuda_runner.prefill) run 8 a program
         tok = 1 << max(0, min(ROWS_TOKENS, -(-T // ROWS_PROGRAMS)).bit_length() - 1)
         _ln_shift_mix_rows_kernel[(triton.cdiv(T, tok),)](
