@@ -94,10 +94,8 @@ def _alignment(kernel, args, kwargs) -> dict:
 
 
 def exercise_runner() -> list:
-    """Runs the runner's decode and prefill paths on the CPU with PDL on, in fp16 and bf16, and the
-    chunked form's pass over the chunks (which the runner reaches only with fla on a GPU) at each
-    block of values; returns the launches."""
-    from replicas.model import wkv_chunk  # noqa: PLC0415
+    """Runs the runner's decode and prefill paths on the CPU with PDL on, in fp16 and bf16, the
+    chunked prefill at each block of values; returns the launches."""
     from replicas.model.config import ModelConfig  # noqa: PLC0415
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
     from replicas.model.rwkv7 import RWKV7, init_random  # noqa: PLC0415
@@ -112,12 +110,9 @@ def exercise_runner() -> list:
                 runner.decode(list(range(rows)), [1] * rows)
             runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
             runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
-            T, H, N = 200, 4, 64
-            chunked = [torch.zeros(T, H, n, dtype=dt) for n, dt in ((N, dtype),) * 6 + ((N, torch.float32),)
-                       + ((wkv_chunk.CHUNK, dtype),) * 2]
-            state, slots = torch.zeros(8, H, N, N), torch.zeros(2, dtype=torch.int64)
-            for n_sm in (1, 12, 10**6):  # 64, 32, 16 values a program
-                wkv_chunk.state_out(*chunked, state, slots, torch.tensor([0, 100, T]), n_sm)
+            runner.prefill_wkv = "chunked"
+            for runner.n_sm in (1, 12, 10**6):  # the pass: 64, 32, 16 values a program
+                runner.prefill([0, 1], [[1] * 150, [2] * 70])
     return launches
 
 

@@ -16,8 +16,8 @@ pad a bucket run on the scratch slot. Per layer:
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
-recurrence in the chunked parallel form (wkv_chunk.py: fla-core's parallel stages, our pass over
-the chunks) or, without fla, a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
+recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, then a pass over
+each row's chunks) or a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
 loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
 before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
 gemv decode step, fp32 activations: see prefill.
@@ -88,7 +88,7 @@ class _Batch:
     slots: Tensor  # [R]
     rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
     cu_seqlens: Tensor  # [R + 1]
-    chunk_indices: Tensor | None  # fla's [n_chunks, 2] (row, chunk in row)
+    chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
 
 
 def _buckets(max_rows: int) -> list[int]:
@@ -110,7 +110,7 @@ class CudaRunner(SlotStates):
     small_batch: decode batches up to this many rows use the gemv kernels, larger ones cuBLAS
       (when auto_path is off; auto_path, the default with graphs, times both graphs of each
       bucket up to AUTO_PATH_MAX rows once and keeps the faster).
-    prefill_wkv: "chunked" (fla-core), "recurrent" (Triton), or "auto" (chunked where fla imports).
+    prefill_wkv: "chunked", "recurrent" (token by token), or "auto" (chunked on a CUDA device).
     """
 
     def __init__(
@@ -163,7 +163,7 @@ class CudaRunner(SlotStates):
         A call whose row lengths were seen before runs as a CUDA graph (captured on the second
         sight, up to `prefill_graphs` shapes kept, least recently used dropped): a long prompt's
         equal chunks, a benchmark's repeats. Other calls launch their kernels one by one, which
-        costs about a millisecond of host time per layer (fla's launches most of it).
+        costs host time for every launch (about 15 a layer).
         """
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
@@ -410,7 +410,7 @@ class CudaRunner(SlotStates):
         fields = [tokens, tok_slot, tok_row, lasts,
                   slots, torch.stack([slots, starts, lengths], 1).view(-1), cu]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
-        if chunked:  # fla's chunk index: (row, chunk within the row) for every chunk of wkv_chunk.CHUNK tokens
+        if chunked:  # the chunk index: (row, chunk within the row) for every chunk of wkv_chunk.CHUNK tokens
             n_chunks = (lengths + wkv_chunk.CHUNK - 1) // wkv_chunk.CHUNK
             row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
             first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
@@ -426,7 +426,7 @@ class CudaRunner(SlotStates):
 
     @staticmethod
     def _batch_views(dev: Tensor, layout: tuple) -> _Batch:
-        """_Batch over the fields of one device tensor (new views each time: fla caches by identity)."""
+        """_Batch over the fields of one device tensor."""
         sizes, R, chunked = layout
         views = dev.split(sizes)
         return _Batch(
@@ -443,7 +443,7 @@ class CudaRunner(SlotStates):
         exact = T <= EXACT_PREFILL
         act = torch.float32 if exact else self.dtype
         wkv = "recurrent" if exact else self.prefill_wkv
-        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # fla's kernels take fp16/bf16
+        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # the chunk kernels' products take 16 bits
         K.PDL = self.pdl  # H200, 1.5B, 1 × 4096 launched kernel by kernel: 92k -> 114k tokens/s
         x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
         x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
@@ -462,9 +462,12 @@ class CudaRunner(SlotStates):
                 lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
                 rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
-            w_log, k, v, a, b, bonus = K.wkv_prepare(rkv[0], rkv[1], rkv[2], lora[0], lora[1], lora[2], v_first,
-                                                     lw.prm, H, i == 0, kv_dtype)
-            o = self._wkv_sequence(i, rkv[0], w_log, k, v, a, b, batch, wkv)
+            w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
+            if wkv == "chunked":
+                o = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
+                                            batch.chunk_indices, self.n_sm)
+            else:
+                o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
             y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             dx = self._product(y, lw.wo, exact)
             kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act, batch,
@@ -495,15 +498,6 @@ class CudaRunner(SlotStates):
             return self._mm_out(a, w.t(), self.fp32_outputs_prefill)
         out = torch.zeros(a.shape[0], w.shape[0], device=self.device, dtype=torch.float32)
         return K.gemv(a, w, out, a.shape[0], epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
-
-    def _wkv_sequence(self, i: int, r, w_log, k, v, a, b, batch: _Batch, wkv: str) -> Tensor:
-        """The recurrence over the batch's rows from (and into) their slots' layer-i state."""
-        state = self.states.wkv[i]  # [S + 1, H, N, N]
-        if wkv == "recurrent":
-            return K.wkv_recurrent(r, w_log, k, v, a, b, state, batch.rows, batch.slots.shape[0])
-        r = r.to(k.dtype)  # fla takes q, k, v, a, b in one dtype (r is fp32 with fp32_outputs_prefill)
-        return wkv_chunk.chunk_prefill(r, k, v, a, b, w_log, state, batch.slots, batch.cu_seqlens,
-                                       batch.chunk_indices, self.n_sm)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -568,16 +562,9 @@ class CudaRunner(SlotStates):
     def _pick_prefill_wkv(self, choice: str) -> str:
         if choice not in ("auto", "chunked", "recurrent"):
             raise ValueError(f"prefill_wkv must be auto, chunked or recurrent, not {choice!r}")
-        if choice == "recurrent" or self.device.type != "cuda":
-            return "recurrent"
-        try:
-            wkv_chunk.fla_stages()
-            return "chunked"
-        except ImportError:
-            if choice == "chunked":
-                raise
-            log.warning("fla-core is not installed: prefill runs the recurrent kernel (slower on long rows)")
-            return "recurrent"
+        if choice == "auto":  # the chunked kernels run on the CPU only under Triton's interpreter, slowly
+            return "chunked" if self.device.type == "cuda" else "recurrent"
+        return choice
 
 
 def _kernel_order(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -526,6 +526,29 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _time_mix_params(prm, C, c, mask):
+    """w0, a0, v0, k_k, k_a, r_k at columns c of the packed [8, C] time-mix parameters."""
+    return (tl.load(prm + c, mask=mask, other=0.0), tl.load(prm + C + c, mask=mask, other=0.0),
+            tl.load(prm + 2 * C + c, mask=mask, other=0.0), tl.load(prm + 3 * C + c, mask=mask, other=0.0),
+            tl.load(prm + 4 * C + c, mask=mask, other=0.0), tl.load(prm + 5 * C + c, mask=mask, other=0.0))
+
+
+@triton.jit
+def _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, AXIS: tl.constexpr, FIRST: tl.constexpr):
+    """What the recurrence takes from a token's projections, a head's channels along AXIS: (log
+    decay, k', v', a = -κ̂, b = κ̂·gate, the bonus Σ r·k'·r_k as a size-1 axis). On the first layer
+    v is v_first itself (vf unused)."""
+    w_log = -0.606531 * tl.sigmoid(w0 + wl)
+    gate = tl.sigmoid(a0 + al)
+    kk = k * k_k
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12)
+    k = k * (1.0 + (gate - 1.0) * k_a)
+    if not FIRST:
+        v = v + (vf - v) * tl.sigmoid(v0 + vl)
+    return w_log, k, v, -kk, kk * gate, tl.sum(r * k * r_k, AXIS, keep_dims=True)
+
+
 @triton.jit(do_not_specialize=["H"])
 def _wkv_decode_kernel(
     R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, N: tl.constexpr, FIRST: tl.constexpr,
@@ -540,8 +563,7 @@ def _wkv_decode_kernel(
     slot = tl.load(idx + b).to(tl.int64)
     s_ptrs = S + (slot * H + h) * (N * N) + i[:, None] * N + i[None, :]
     st = tl.load(s_ptrs)
-    w0, a0, v0 = tl.load(prm + c), tl.load(prm + C + c), tl.load(prm + 2 * C + c)
-    k_k, k_a, r_k = tl.load(prm + 3 * C + c), tl.load(prm + 4 * C + c), tl.load(prm + 5 * C + c)
+    w0, a0, v0, k_k, k_a, r_k = _time_mix_params(prm, C, c, c < C)
     gn_w, gn_b = tl.load(prm + 6 * C + c), tl.load(prm + 7 * C + c)
     _after_predecessor(PDL)
     r = tl.load(R_ + b * ldp + c).to(tl.float32)
@@ -551,25 +573,21 @@ def _wkv_decode_kernel(
     al = tl.load(AL + b * ldl + c).to(tl.float32)
     vl = tl.load(VL + b * ldl + c).to(tl.float32)
     g = tl.load(G_ + b * ldl + c).to(tl.float32)
-    decay = tl.exp(-0.606531 * tl.sigmoid(w0 + wl))
-    a = tl.sigmoid(a0 + al)
-    kk = k * k_k
-    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, 0)), 1e-12)
-    k = k * (1.0 + (a - 1.0) * k_a)
     if FIRST:
         tl.store(VF + b * C + c, v.to(VF.dtype.element_ty))
+        vf = v
     else:
         vf = tl.load(VF + b * C + c).to(tl.float32)
-        v = v + (vf - v) * tl.sigmoid(v0 + vl)
-    sa = tl.sum(st * (-kk)[None, :], axis=1)
-    st = st * decay[None, :] + sa[:, None] * (kk * a)[None, :] + v[:, None] * k[None, :]
+    w_log, k, v, a, bb, bonus = _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, 0, FIRST)
+    sa = tl.sum(st * a[None, :], axis=1)
+    st = st * tl.exp(w_log)[None, :] + sa[:, None] * bb[None, :] + v[:, None] * k[None, :]
     tl.store(s_ptrs, st)
     o = tl.sum(st * r[None, :], axis=1)
     mean = tl.sum(o, 0) / N
     d = o - mean
     var = tl.sum(d * d, 0) / N
     o = d * tl.rsqrt(var + gn_eps) * gn_w + gn_b
-    o += tl.sum(r * k * r_k, 0) * v
+    o += bonus * v
     tl.store(Y + b * C + c, (o * g).to(Y.dtype.element_ty))
 
 
@@ -602,24 +620,20 @@ def _wkv_prepare_kernel(
     v = tl.load(Vv + t * ldp + c, mask=mask, other=0.0).to(tl.float32)
     wl = tl.load(Wl + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
     al = tl.load(Al + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
-    w_log = -0.606531 * tl.sigmoid(tl.load(prm + c, mask=mask, other=0.0) + wl)
-    a = tl.sigmoid(tl.load(prm + C + c, mask=mask, other=0.0) + al)
-    kk = k * tl.load(prm + 3 * C + c, mask=mask, other=0.0)
-    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, 1))[:, None], 1e-12)
-    k = k * (1.0 + (a - 1.0) * tl.load(prm + 4 * C + c, mask=mask, other=0.0))
+    vl = tl.load(Vl + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
     if FIRST:
         tl.store(VF + off, v.to(VF.dtype.element_ty), mask=mask)
+        vf = v
     else:
-        vl = tl.load(Vl + t * ldl + c, mask=mask, other=0.0).to(tl.float32)
         vf = tl.load(VF + off, mask=mask, other=0.0).to(tl.float32)
-        v = v + (vf - v) * tl.sigmoid(tl.load(prm + 2 * C + c, mask=mask, other=0.0) + vl)
+    w0, a0, v0, k_k, k_a, r_k = _time_mix_params(prm, C, c, mask)
+    w_log, k, v, a, b, bo = _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, 1, FIRST)
     tl.store(w_out + off, w_log.to(w_out.dtype.element_ty), mask=mask)
     tl.store(k_out + off, k.to(k_out.dtype.element_ty), mask=mask)
     tl.store(v_out + off, v.to(v_out.dtype.element_ty), mask=mask)
-    tl.store(a_out + off, (-kk).to(a_out.dtype.element_ty), mask=mask)
-    tl.store(b_out + off, (kk * a).to(b_out.dtype.element_ty), mask=mask)
-    bo = tl.sum(r * k * tl.load(prm + 5 * C + c, mask=mask, other=0.0), 1)
-    tl.store(bonus + t * H + tl.arange(0, BLOCK_H), bo, mask=tl.arange(0, BLOCK_H) < H)
+    tl.store(a_out + off, a.to(a_out.dtype.element_ty), mask=mask)
+    tl.store(b_out + off, b.to(b_out.dtype.element_ty), mask=mask)
+    tl.store(bonus + t * H + tl.arange(0, BLOCK_H)[:, None], bo, mask=tl.arange(0, BLOCK_H)[:, None] < H)
 
 
 @triton.jit(do_not_specialize=["H"])

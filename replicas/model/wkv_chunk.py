@@ -1,37 +1,42 @@
-"""The chunked RWKV-7 recurrence of long prefill: fla-core's intra-chunk stages, then our pass
-over the chunks.
+"""The chunked RWKV-7 recurrence of long prefill: two Triton kernels.
 
-fla-core 0.6's `chunk_dplr_fwd` runs five stages: the decay's cumulative sum within chunks, the
-intra-chunk matrices, the WY representation (these three parallel over chunks), the state pass
-(sequential over a row's chunks) and the output (parallel again, from every chunk's state, which
-the pass wrote out). Its state pass loads a chunk's tiles only when it gets there; with the output
-kernel it took 5.9 ms of a 1.5B model's 4,096-token prefill on an H200.
+Per head, with h the state [N keys, N values], RWKV-7 runs token by token
+    h = diag(exp(w)) h + bᵀ(a h) + kᵀv,    o = r h
+(a = -κ̂, b = κ̂·gate). Over a chunk of BT tokens this is a few dense products (the WY form of
+fla-core's chunk_dplr_fwd, whose five stages these two kernels replace):
 
-`_state_out_kernel` takes the last two stages' place (4.6 ms there). A program per (row, head,
-block of values) walks its row's chunks with the next chunks' tiles already loading (Triton's
-software pipelining), computes each chunk's output from the state it holds, and keeps that state
-in registers from the slot's state to its new one, read and written in place (fla's took a gather
-and a scatter). What bounds it: each chunk's seven small products run one after another, about
-2.9 µs a chunk (docs/gpu.md).
+`_chunk_prep_kernel`, a program per (chunk, head), parallel over every chunk of every row: the
+log₂ decays' sums gi within the chunk (ge: before each token, g_last: the chunk's), the gated
+inputs qg = r·2^gi, kg = k·2^(g_last-gi), bg = b·2^(g_last-gi), the intra-chunk matrices
+A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representation
+    w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
+and A_ak likewise with k. Exponents are taken from the chunk's middle token, so no factor leaves
+fp32's range (fla's fp16 operands could overflow on strong decays), and these four products are
+tf32; the inverse is a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0), in
+fp16 operands as fla's. It replaces fla's three parallel stages: 1.5B's 4,096-token prefill
+spent 6.0 ms in those on an H200, and spends about 3.5 ms here (docs/gpu.md).
 
-Same math and roundings as fla's two kernels (chunk_h_fwd.py, chunk_o_fwd.py), per chunk of BT
-tokens with h the state [N keys, BV values] at the chunk's start:
-    v2 = w h + u                       (h rounded to fp16 for the product, as fla stores it)
-    o  = qg h + tril(A_qk) v + tril(A_qb) v2
+`_state_out_kernel`, a program per (row, head, block of values), walks its row's chunks with the
+next chunks' tiles already loading (Triton's software pipelining), computes each chunk's output
+from the state it holds, and keeps that state in registers from the slot's state to its new one,
+read and written in place:
+    v2 = w h + u                       (h rounded to fp16 for the product)
+    o  = qg h + A_qk v + A_qb v2
     h  = exp2(g_last) h + kgᵀ v + bgᵀ v2
+What bounds it: each chunk's seven small products run one after another, about 2.9 µs a chunk
+(docs/gpu.md).
 """
 
 from __future__ import annotations
-
-import math
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 64  # tokens a chunk; w_log >= -DECAY_SCALE keeps fla's tensor-core scheme exact at 64
+from . import kernels as K
+
+CHUNK = 64  # tokens a chunk
+PREP_WARPS = 4  # the prep kernel's (8: 1.5B's 4,096-token prefill 9% slower)
 STAGES = 2  # chunks whose tiles are in flight at once (software pipelining depth)
 
 
@@ -84,24 +89,78 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
     return bv
 
 
+@triton.jit(do_not_specialize=["H"])
+def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_seqlens, chunk_indices, H,
+                       N: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+    """One (chunk, head): what the pass takes (see the module's docstring)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    K._after_predecessor(PDL)
+    i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
+    m_t = (o_t < n_valid)[:, None]
+    tok = (bos + c * BT + o_t)[:, None]
+    p = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
+    g = tl.load(WL + p, mask=m_t, other=0.0) * 1.4426950408889634  # log2 decays; 0 past the row's end
+    gi = tl.cumsum(g, 0)  # through each token
+    ge = gi - g  # before each token
+    g_last = tl.sum(g, 0)
+    off = tl.sum(tl.where(o_t[:, None] <= n_valid // 2, g, 0.0), 0)  # the middle token's gi: 2^± stay in range
+    tl.store(GI + p, gi, mask=(o_t == n_valid - 1)[:, None])  # the pass reads the last token's only
+    to_end = tl.exp2(g_last[None, :] - gi)
+    from_mid = tl.exp2(off[None, :] - gi)
+    k = tl.load(Kk + p, mask=m_t, other=0.0).to(tl.float32)
+    b = tl.load(B + p, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(KG + p, (k * to_end).to(KG.dtype.element_ty), mask=m_t)
+    tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
+    k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
+    q = tl.load(Q + p, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(QG + p, (q * tl.exp2(gi)).to(QG.dtype.element_ty), mask=m_t)
+    q = q * tl.exp2(gi - off[None, :])
+    row, col = o_t[:, None], o_t[None, :]
+    p_a = tok * (H * BT) + i_h * BT + col  # [BT, BT] of a [T, H, BT] tensor
+    # fp32 operands, tf32 products: the gated factors may leave fp16's range, their products do not
+    tl.store(AQK + p_a, tl.where(row >= col, tl.dot(q, k_t), 0.0).to(AQK.dtype.element_ty), mask=m_t)
+    tl.store(AQB + p_a, tl.where(row >= col, tl.dot(q, b_t), 0.0).to(AQB.dtype.element_ty), mask=m_t)
+    a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
+    L = tl.where(row > col, tl.dot(a, b_t), 0.0)
+    A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
+    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. From here
+    # fp16 operands, as fla's WY stage (L, A_ak and the inverse's entries stay within fp16's range;
+    # tf32 here was 13% slower and no closer to float64: docs/gpu.md)
+    inv = tl.where(row == col, 1.0, 0.0) + L
+    L = L.to(tl.float16)
+    for _ in tl.static_range(5):
+        L = tl.dot(L, L).to(tl.float16)
+        inv += tl.dot(inv.to(tl.float16), L)
+    inv_h = inv.to(tl.float16)
+    w = tl.dot(inv_h, (a * tl.exp2(off[None, :])).to(tl.float16))
+    tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
+    v = tl.load(V + p, mask=m_t, other=0.0).to(tl.float16)
+    u = tl.dot(tl.dot(inv_h, A_ak.to(tl.float16)).to(tl.float16), v)
+    tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
+
+
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                   chunk_indices: torch.Tensor, n_sm: int) -> torch.Tensor:
     """The recurrence over ragged rows in the chunked form: o [T, C] in v's dtype; the rows' slots
     of state [S, H, N(values), N(keys)] advance in place.
 
-    r, k, v, a, b [T, C] in fp16 or bf16 (one dtype), w_log [T, C] fp32 (log decay, >= -DECAY_SCALE);
-    cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices fla's [n_chunks, 2]
+    r, k, v, a, b [T, C] (k, v, a, b in one 16-bit dtype), w_log [T, C] fp32 (log decay);
+    cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices [n_chunks, 2]
     (row, chunk within the row) for every chunk of CHUNK tokens.
     """
-    cumsum, intra, wy = fla_stages()
     T, C = v.shape
     H, N = state.shape[1], state.shape[2]
-    r, k, v, a, b, w_log = (t.view(1, T, H, N) for t in (r, k, v, a, b, w_log))
-    kw = {"cu_seqlens": cu_seqlens, "chunk_size": CHUNK, "chunk_indices": chunk_indices}
-    gi, ge = cumsum(w_log, CHUNK, scale=math.log2(math.e), cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    A_ab, A_qk, A_ak, A_qb, qg, kg, ag, bg = intra(q=r, k=k, a=a, b=b, gi=gi, ge=ge, scale=1.0, safe_gate=True, **kw)
-    w, u, _ = wy(ag=ag, A_ab=A_ab, A_ak=A_ak, v=v, safe_gate=True, **kw)
-    o = state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state, slots, cu_seqlens, n_sm)
+    qg, kg, bg, w, u = (torch.empty_like(v) for _ in range(5))
+    gi = torch.empty(T, C, device=v.device, dtype=torch.float32)  # written at each chunk's last token
+    A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=v.dtype) for _ in range(2))
+    _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
+                                                    cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
+                                                    num_warps=PREP_WARPS, **K._pdl())
+    o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
+                  n_sm)
     return o.view(T, C)
 
 
@@ -110,7 +169,8 @@ def state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state: torch.Tensor, slots: t
     """The pass over the chunks (see the module's docstring): o like v; state advances in place.
 
     qg, kg, bg, w [.., T, H, N], u and v [.., T, H, N] in one 16-bit dtype, gi [.., T, H, N] fp32 (the
-    decay's inclusive sums within chunks, in log2), A_qk, A_qb [.., T, H, CHUNK]: fla's stages' outputs.
+    decay's inclusive sums within chunks, in log2; read at each chunk's last token), A_qk, A_qb
+    [.., T, H, CHUNK]: _chunk_prep_kernel's outputs.
     """
     H, N = state.shape[1], state.shape[2]
     R = slots.shape[0]
@@ -121,44 +181,3 @@ def state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state: torch.Tensor, slots: t
     return o
 
 
-# -- fla-core --------------------------------------------------------------------------------------
-
-_PINNED = False
-
-
-def fla_stages():
-    """fla-core 0.6's three parallel stages (ImportError without it): the cumulative sum, the
-    intra-chunk matrices and the WY representation, called below its autograd wrapper so that the
-    chunk index comes from the runner's one host copy (the public chunk_rwkv7 builds it with a
-    synchronising copy)."""
-    global _PINNED
-    from fla.ops.generalized_delta_rule.dplr.chunk_A_fwd import chunk_dplr_fwd_intra  # noqa: PLC0415
-    from fla.ops.generalized_delta_rule.dplr.wy_fast_fwd import prepare_wy_repr_fwd  # noqa: PLC0415
-    from fla.ops.rwkv6.chunk import chunk_rwkv6_fwd_cumsum  # noqa: PLC0415
-
-    if not _PINNED and os.environ.get("RWKV_FLEET_FLA_AUTOTUNE") != "1":
-        _pin_autotuners("fla.")
-        _PINNED = True
-    return chunk_rwkv6_fwd_cumsum, chunk_dplr_fwd_intra, prepare_wy_repr_fwd
-
-
-def _pin_autotuners(prefix: str) -> None:
-    """Gives each Triton autotuner in the modules under `prefix` one config (4 warps, 2 stages,
-    the largest block up to 64). fla autotunes every kernel over up to 27 configs on first use,
-    which costs minutes of compiling at every start; RWKV_FLEET_FLA_AUTOTUNE=1 keeps its tuning.
-    """
-    from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
-
-    def score(config):
-        blocks = sum(v for v in config.kwargs.values() if isinstance(v, int) and v <= 64)
-        return abs(config.num_warps - 4), abs((config.num_stages or 2) - 2), -blocks
-
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(prefix) or module is None:
-            continue
-        for value in list(vars(module).values()):
-            seen = 0
-            while value is not None and seen < 4:  # heuristics/autotune wrappers nest through .fn
-                if isinstance(value, Autotuner) and len(value.configs) > 1:
-                    value.configs = [min(value.configs, key=score)]
-                value, seen = getattr(value, "fn", None), seen + 1

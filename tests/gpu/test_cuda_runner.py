@@ -7,7 +7,7 @@ runs in fp32 on weights rounded to the runner's dtype (the weights the GPU runs)
 measures the kernels, not the rounding of the checkpoint.
 
 Runs on a CUDA GPU (marked `gpu`, skipped elsewhere). With TRITON_INTERPRET=1 the kernels also run
-on the CPU under Triton's interpreter (slowly; no graphs, no fla): a check before spending GPU time.
+on the CPU under Triton's interpreter (slowly; no graphs): a check before spending GPU time.
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ def assert_states_close(runner, ref, slots) -> None:
 def test_prefill_ragged_rows(pair, wkv):
     """recurrent and chunked: cuBLAS products over 208 tokens; short: 48 tokens, the gemv path."""
     runner, ref = pair
-    if wkv == "chunked":
-        if not CUDA:
-            pytest.skip("fla-core runs on the GPU only")
-        pytest.importorskip("fla")
     runner.prefill_wkv = wkv if wkv != "short" else "recurrent"
     slots = [5, 0, 3, 6]
     start_from_random_states(runner, ref, slots, seed=10)
@@ -167,7 +163,7 @@ def test_recurring_prefill_shapes_replay_a_graph(pair):
     """The third call of one set of row lengths replays the graph the second captured: other
     tokens, other slots, both paths (gemv up to 128 tokens, cuBLAS beyond)."""
     runner, ref = pair
-    runner.prefill_wkv = "chunked" if _has_fla() else "recurrent"
+    runner.prefill_wkv = "chunked"
     for lengths in ((3, 40), (150, 7)):
         for call, slots in enumerate(([0, 1], [2, 3], [4, 5], [1, 0])):
             start_from_random_states(runner, ref, slots, seed=70 + call)
@@ -191,7 +187,7 @@ def test_decode_logits_survive_the_next_step(pair):
 @pytest.mark.skipif(not CUDA, reason="host synchronisation is a CUDA notion")
 def test_steps_do_not_synchronise(pair):
     runner, _ = pair
-    runner.prefill_wkv = "chunked" if _has_fla() else "recurrent"
+    runner.prefill_wkv = "chunked"
     runner.capture([2])
     runner.decode([0, 1], [1, 2])
     runner.prefill([2, 3], [[5, 6, 7], [8]])  # warm: kernels compiled, caches filled
@@ -203,11 +199,3 @@ def test_steps_do_not_synchronise(pair):
     finally:
         torch.cuda.set_sync_debug_mode("default")
         runner.prefill_wkv = "recurrent"
-
-
-def _has_fla() -> bool:
-    try:
-        import fla  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True

@@ -1,10 +1,13 @@
 """The chunked recurrence's pass over the chunks (wkv_chunk.state_out) against its definition in
-float64, and the whole chunked form (fla's stages + ours) against fla-core's own chunk_dplr_fwd.
+float64; the whole chunked form against RWKV-7's recurrence in float64, and on long rows against
+fla-core's chunk_dplr_fwd's error.
 
 Marked `gpu`; the first test also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -67,6 +70,55 @@ def test_state_out_against_its_definition(n_sm):
         assert torch.equal(state[s], before[s])
 
 
+def recurrence(r, k, v, a, b, w_log, state, slots, cu):
+    """RWKV-7's recurrence token by token in float64, h [keys, values] per head:
+    h = diag(exp(w)) h + bᵀ(a h) + kᵀ v, o = r h. Returns (o [T, H, N], the rows' new states)."""
+    r, k, v, a, b, w = (t.double().cpu() for t in (r, k, v, a, b, w_log.exp()))
+    st = state.double().cpu().clone()
+    o = torch.zeros_like(v)
+    for n, slot in enumerate(slots.tolist()):
+        h = st[slot].transpose(-1, -2)  # [H, keys, values]
+        for t in range(int(cu[n]), int(cu[n + 1])):
+            h = w[t][:, :, None] * h + b[t][:, :, None] * (a[t][:, None, :] @ h) + k[t][:, :, None] * v[t][:, None, :]
+            o[t] = (r[t][:, None, :] @ h)[:, 0]
+        st[slot] = h.transpose(-1, -2)
+    return o, st
+
+
+def rwkv7_inputs(T, H, N, seed):
+    """Inputs shaped as RWKV-7 makes them: a = -κ̂, b = κ̂·gate with unit κ̂, log decays in [-0.607, 0]."""
+    torch.manual_seed(seed)
+    r, k, v = (torch.randn(T, H, N, device=DEVICE) for _ in range(3))
+    kk = torch.nn.functional.normalize(torch.randn(T, H, N, device=DEVICE), dim=-1)
+    gate = torch.rand(T, H, N, device=DEVICE)
+    w_log = -0.606531 * torch.rand(T, H, N, device=DEVICE)
+    return [t.half().view(T, H * N) for t in (r, k, v, -kk, kk * gate)], w_log.view(T, H * N)
+
+
+def chunk_index(cu):
+    n_chunks = ((cu[1:] - cu[:-1]) + W.CHUNK - 1) // W.CHUNK
+    return torch.cat([torch.stack([torch.full((int(c),), i), torch.arange(int(c))], 1)
+                      for i, c in enumerate(n_chunks)]).to(DEVICE)  # (row, chunk in the row)
+
+
+@pytest.mark.parametrize("lengths", [[200], [64, 1, 130, 7]])
+def test_chunk_prefill_against_the_recurrence(lengths):
+    """The whole chunked form (our two kernels) against the recurrence in float64: ragged rows,
+    partial chunks, a one-token row, slots out of order; untouched slots keep their states."""
+    H, N, T = 2, 64, sum(lengths)
+    ins, w_log = rwkv7_inputs(T, H, N, seed=len(lengths))
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    slots = torch.tensor([3, 0, 5, 1][:len(lengths)], device=DEVICE)
+    state = 0.1 * torch.randn(6, H, N, N, device=DEVICE)
+    before = state.clone()
+    o = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=8)
+    ref_o, ref_state = recurrence(*(t.view(T, H, N) for t in (*ins, w_log)), before, slots, cu)
+    assert rel_err(o.view(T, H, N), ref_o) <= 3e-3
+    assert rel_err(state[slots], ref_state[slots.cpu()]) <= 3e-3
+    for s in (2, 4):
+        assert torch.equal(state[s], before[s])
+
+
 def _has_fla() -> bool:
     try:
         import fla  # noqa: F401, PLC0415
@@ -75,32 +127,45 @@ def _has_fla() -> bool:
     return CUDA
 
 
+def fla_chunk_dplr_fwd():
+    """fla-core's chunk_dplr_fwd, each of its Triton autotuners given one config (4 warps, 2
+    stages, the largest block up to 64): tuning them all costs minutes of compiling."""
+    from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd  # noqa: PLC0415
+    from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
+
+    def score(config):
+        blocks = sum(v for v in config.kwargs.values() if isinstance(v, int) and v <= 64)
+        return abs(config.num_warps - 4), abs((config.num_stages or 2) - 2), -blocks
+
+    for name, module in list(sys.modules.items()):
+        for value in list(vars(module).values()) if name.startswith("fla.") and module is not None else ():
+            for _ in range(4):  # heuristics/autotune wrappers nest through .fn
+                if isinstance(value, Autotuner) and len(value.configs) > 1:
+                    value.configs = [min(value.configs, key=score)]
+                value = getattr(value, "fn", None)
+    return chunk_dplr_fwd
+
+
 @pytest.mark.skipif(not _has_fla(), reason="needs fla-core on a CUDA GPU")
 @pytest.mark.parametrize("lengths", [[4096], [300, 1, 64, 1000]])
-def test_chunk_prefill_against_fla(lengths):
-    """RWKV-7's inputs (a = -κ̂, b = κ̂·a, log decays in [-0.607, 0]): ours and fla's whole
-    chunk_dplr_fwd agree on the outputs and the final states."""
-    from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd  # noqa: PLC0415
-
-    W.fla_stages()  # first: pins fla's autotuners (tuning all of them takes minutes)
-    torch.manual_seed(1)
+def test_chunk_prefill_as_exact_as_fla(lengths):
+    """On long rows, ours is at least as close to the float64 recurrence as fla-core's own
+    chunk_dplr_fwd (the chunked form users run today), outputs and final states alike."""
+    chunk_dplr_fwd = fla_chunk_dplr_fwd()
     H, N, S = 4, 64, 6
     T, R = sum(lengths), len(lengths)
+    ins, w_log = rwkv7_inputs(T, H, N, seed=1)
     cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
     slots = torch.tensor([4, 1, 0, 5][:R], device=DEVICE)
-    r, k, v = (torch.randn(T, H, N, device=DEVICE) for _ in range(3))
-    kk = torch.nn.functional.normalize(torch.randn(T, H, N, device=DEVICE), dim=-1)
-    a_gate = torch.rand(T, H, N, device=DEVICE)
-    w_log = -0.606531 * torch.rand(T, H, N, device=DEVICE)
-    ins = [t.half().view(T, H * N) for t in (r, k, v, -kk, kk * a_gate)]
     state = 0.1 * torch.randn(S, H, N, N, device=DEVICE)
-    s0 = state[slots].transpose(-1, -2).contiguous()
-    n_chunks = ((cu[1:] - cu[:-1]) + W.CHUNK - 1) // W.CHUNK
-    index = torch.cat([torch.stack([torch.full((int(c),), i), torch.arange(int(c))], 1)
-                       for i, c in enumerate(n_chunks)]).to(DEVICE)  # fla's (row, chunk in the row)
+    before = state.clone()
+    ref_o, ref_state = recurrence(*(t.view(T, H, N) for t in (*ins, w_log)), before, slots, cu)
     theirs, s1, *_ = chunk_dplr_fwd(*(t.view(1, T, H, N) for t in ins), gk=w_log.view(1, T, H, N), scale=1.0,
-                                    initial_state=s0, output_final_state=True, cu_seqlens=cu, chunk_size=W.CHUNK,
-                                    safe_gate=True, chunk_indices=index)
-    ours = W.chunk_prefill(*ins, w_log.view(T, H * N), state, slots, cu, index, n_sm=132)
-    assert rel_err(ours, theirs.view(T, H * N)) <= 2e-3
-    assert rel_err(state[slots], s1.transpose(-1, -2)) <= 2e-3
+                                    initial_state=before[slots].transpose(-1, -2).contiguous(),
+                                    output_final_state=True, cu_seqlens=cu, chunk_size=W.CHUNK, safe_gate=True,
+                                    chunk_indices=chunk_index(cu))
+    ours = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=132)
+    err_o, err_s = rel_err(ours.view(T, H, N), ref_o), rel_err(state[slots], ref_state[slots.cpu()])
+    fla_o, fla_s = rel_err(theirs.view(T, H, N), ref_o), rel_err(s1.transpose(-1, -2), ref_state[slots.cpu()])
+    print(f"errors against float64: ours {err_o:.2e} / {err_s:.2e}, fla {fla_o:.2e} / {fla_s:.2e}")
+    assert err_o <= max(1.25 * fla_o, 1e-4) and err_s <= max(1.25 * fla_s, 1e-4)
