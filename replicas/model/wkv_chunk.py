@@ -11,10 +11,10 @@ inputs qg = r·2^gi, kg = k·2^(g_last-gi), bg = b·2^(g_last-gi), the intra-chu
 A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representation
     w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
 and A_ak likewise with k. Exponents are taken from the chunk's middle token, so no factor leaves
-fp32's range (fla's fp16 operands could overflow on strong decays), and these four products are
-tf32; the inverse is a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0), in
-fp16 operands as fla's. It replaces fla's three parallel stages: 1.5B's 4,096-token prefill
-spent 6.0 ms in those on an H200, and spends about 3.5 ms here (docs/gpu.md).
+fp32's range (fla's fp16 operands could overflow on strong decays); the products are tf32, the
+inverse a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0). It replaces
+fla's three parallel stages: 1.5B's 4,096-token prefill spent 6.0 ms in those on an H200, and
+spends 3.9 ms here (docs/gpu.md).
 
 `_state_out_kernel`, a program per (row, head, block of values), walks its row's chunks with the
 next chunks' tiles already loading (Triton's software pipelining), computes each chunk's output
@@ -126,19 +126,16 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. From here
-    # fp16 operands, as fla's WY stage (L, A_ak and the inverse's entries stay within fp16's range;
-    # tf32 here was 13% slower and no closer to float64: docs/gpu.md)
+    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. tf32 products
+    # (fp16 operands from here on were 13% faster on 32 heads of 64, but faulted on heads of 32)
     inv = tl.where(row == col, 1.0, 0.0) + L
-    L = L.to(tl.float16)
     for _ in tl.static_range(5):
-        L = tl.dot(L, L).to(tl.float16)
-        inv += tl.dot(inv.to(tl.float16), L)
-    inv_h = inv.to(tl.float16)
-    w = tl.dot(inv_h, (a * tl.exp2(off[None, :])).to(tl.float16))
+        L = tl.dot(L, L)
+        inv += tl.dot(inv, L)
+    w = tl.dot(inv, a * tl.exp2(off[None, :]))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
-    v = tl.load(V + p, mask=m_t, other=0.0).to(tl.float16)
-    u = tl.dot(tl.dot(inv_h, A_ak.to(tl.float16)).to(tl.float16), v)
+    v = tl.load(V + p, mask=m_t, other=0.0).to(tl.float32)
+    u = tl.dot(tl.dot(inv, A_ak), v)
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
 
