@@ -600,7 +600,7 @@ def table(results: dict, models: list[str]) -> str:
             bar = BARS.get((name, case))
             bar_text = f"{bar:,}" if bar else ""
             if ours is None:
-                lines.append(f"| {name} | {case} | failed | {ref_text} | {limit:,.0f} | — | {bar_text} | — |")
+                lines.append(f"| {name} | {case} | not run (log) | {ref_text} | {limit:,.0f} | — | {bar_text} | — |")
                 continue
             meets = "" if bar is None else ("yes" if ours >= bar else "**no**")
             lines.append(f"| {name} | {case} | {ours:,.0f} | {ref_text} | {limit:,.0f} | {ours / limit:.0%} | "
