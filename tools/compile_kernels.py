@@ -111,7 +111,8 @@ def exercise_runner() -> list:
             runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)
             runner.prefill([0, 1], [[1] * 150, [2] * 70])  # cuBLAS products, the recurrent kernel
             runner.prefill_wkv = "chunked"
-            for runner.n_sm in (1, 12, 10**6):  # the pass: 64, 32, 16 values a program
+            for n_sm in (1, 12, 10**6):  # the pass: 64, 32, 16 values a program
+                runner.n_sm = n_sm
                 runner.prefill([0, 1], [[1] * 150, [2] * 70])
     return launches
 
