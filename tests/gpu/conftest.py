@@ -1,6 +1,7 @@
 """GPU tests also run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), slowly.
 
-KERNEL_MARKS: for the modules that run the kernels on a GPU or under the interpreter. The
+KERNEL_MARKS: for the modules that run the kernels on a GPU or under the interpreter; rel_err:
+their measure of a result against its reference. The
 interpreter hands kernels their runtime scalars as one-element arrays, which Python's range
 refuses; the shim below lets `tl.range` take them. Nothing changes when the interpreter is off.
 """
@@ -17,6 +18,14 @@ KERNEL_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),
 ]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖ours − ref‖ / ‖ref‖, after checking ours is finite."""
+    ours, ref = ours.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(ours).all()
+    return ((ours - ref).norm() / ref.norm()).item()
+
 
 if INTERPRET:
     try:

@@ -20,7 +20,7 @@ from replicas.model.runner import ModelRunner
 from replicas.model.rwkv7 import RWKV7, init_random
 from replicas.model.state import RNNState
 
-from .conftest import CUDA, DEVICE, KERNEL_MARKS
+from .conftest import CUDA, DEVICE, KERNEL_MARKS, rel_err
 
 pytestmark = KERNEL_MARKS
 TOLERANCE = 1e-2  # logits
@@ -30,12 +30,6 @@ SHAPES = {
     "L3-C128-N32": ModelConfig(3, 128, 32, 1000, 384, 8, 12, 8, 16),
     "L2-C256-N64": ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64),
 }
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.float().cpu(), ref.float().cpu()
-    assert torch.isfinite(ours).all()
-    return ((ours - ref).norm() / ref.norm()).item()
 
 
 def rounded(model: RWKV7, dtype: torch.dtype) -> RWKV7:
