@@ -500,6 +500,65 @@ def gemv(
     return y
 
 
+
+# --------------------------------------------------------------------------------------------
+# The channel mix for one or two rows in one launch: x += relu(kin · Wkᵀ)² · Wvᵀ
+#   A program owns BJ hidden units: it computes their keys from a [BJ, C] slab of Wk, then adds
+#   their share of every output, from the [C, BJ] columns of Wv, into x (split-K over the hidden
+#   units, so the key's [F] vector never leaves the program). One kernel streams both matrices,
+#   where two gemvs each paid a ramp and a tail. FMA units, fp32 activations, as _gemv_fma_kernel.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ffn_fma_kernel(A, lda, Wk, Wv, X, ldx, M, C, BLOCK_M: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
+                    BC: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    j0 = tl.program_id(0) * BJ
+    offs_m = tl.arange(0, BLOCK_M)[:, None]
+    m_mask = offs_m < M
+    a_rows = A + offs_m.to(tl.int64) * lda + tl.arange(0, BK)[None, :]
+    w = Wk.load([j0, 0]).to(tl.float32)  # [BJ, BK], before the wait (PDL)
+    _after_predecessor(PDL)
+    acc = w[None, :, :] * tl.load(a_rows, mask=m_mask, other=0.0).to(tl.float32)[:, None, :]
+    for k0 in tl.range(BK, C, BK, num_stages=STAGES):
+        k0 = tl.multiple_of(k0, BK)
+        acc += (Wk.load([j0, k0]).to(tl.float32)[None, :, :]
+                * tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)[:, None, :])
+    key = tl.maximum(tl.sum(acc, axis=2), 0.0)
+    key = key * key  # [BLOCK_M, BJ]
+    offs_c = tl.arange(0, BC)[None, :]
+    x_rows = X + offs_m.to(tl.int64) * ldx + offs_c
+    for c0 in tl.range(0, C, BC, num_stages=STAGES):
+        c0 = tl.multiple_of(c0, BC)
+        wv = Wv.load([c0, j0]).to(tl.float32)  # [BC, BJ]
+        tl.atomic_add(x_rows + c0, tl.sum(wv[None, :, :] * key[:, None, :], axis=2), mask=m_mask & (offs_c < C),
+                      sem="relaxed")
+
+
+FFN_FMA_STAGES = 4
+FFN_FMA_TILE = 4096  # elements of a program's [rows, BJ, BK] and [rows, BC, BJ] products (as GEMV_FMA's)
+
+
+def ffn_fma(kin: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, x: torch.Tensor, m: int, *, n_sm: int = 132,
+            bj: int | None = None, stages: int = FFN_FMA_STAGES, tile_elems: int = FFN_FMA_TILE,
+            warps: int = 4) -> torch.Tensor:
+    """x[:m] += relu(kin[:m] · wkᵀ)² · wvᵀ for up to FMA_ROWS rows (kin [≥m, C], wk [F, C], wv [C, F])."""
+    F_, C = wk.shape
+    block_m = _pow2(m)
+    if bj is None:  # 16 hidden units a program where 32 would leave multiprocessors idle
+        bj = 32 if F_ // 32 >= 2 * n_sm else 16
+    if F_ % bj or C % 64:
+        raise ValueError(f"ffn_fma: F={F_} must be a multiple of {bj}, C={C} of 64")
+    tile = max(64, min(256, tile_elems // (block_m * bj)))  # 256: a TMA box's longest side
+    while C % tile:
+        tile //= 2
+    wk_desc = TensorDescriptor.from_tensor(wk, [bj, tile])
+    wv_desc = TensorDescriptor.from_tensor(wv, [tile, bj])
+    _ffn_fma_kernel[(F_ // bj,)](kin, kin.stride(0), wk_desc, wv_desc, x, x.stride(0), m, C, BLOCK_M=block_m, BJ=bj,
+                                BK=tile, BC=tile, STAGES=stages, num_warps=warps, **_pdl())
+    return x
+
+
 @triton.jit
 def _relu2_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_predecessor(PDL)
@@ -589,6 +648,108 @@ def _wkv_decode_kernel(
     o = d * tl.rsqrt(var + gn_eps) * gn_w + gn_b
     o += bonus * v
     tl.store(Y + b * C + c, (o * g).to(Y.dtype.element_ty))
+
+
+
+# --------------------------------------------------------------------------------------------
+# The same core for one or two rows with the output projection in the same launch:
+#   x += y · Woᵀ, split over heads (each head's 64 columns of Wo take its 64 values of y).
+#   A program is (head, block of Wo's rows): it computes its head's y for every row (the blocks of
+#   one head each compute it, from the state as it was) and adds y's product with its block into x.
+#   The state advances once: the head's last program to finish writes it (an arrival counter, so
+#   no program reads a state that another has already advanced).
+#   Per row, without forming the new state: o = S (w∘r) + (S a)(b·r) + v (k·r).
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["B", "H", "tiles"])
+def _wkv_decode_out_kernel(
+    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Wo, X, arrived, B, H, C, tiles, gn_eps,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, TN: tl.constexpr, STAGES: tl.constexpr, FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    h = tl.program_id(0)
+    blocks = tl.num_programs(1)
+    n0 = tl.program_id(1) * tiles * TN
+    n_hi = tl.minimum(n0 + tiles * TN, C)
+    rows = tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    i = tl.arange(0, N)
+    c = h * N + i[None, :]  # [1, N]
+    m = rows < B
+    # before the wait (PDL): Wo's first tile, the parameters, and the rows' states (written only by
+    # this kernel, a step ago)
+    wo = Wo.load([n0, h * N]).to(tl.float32)  # [TN, N]
+    slot = tl.load(idx + rows, mask=m, other=0).to(tl.int64)
+    s_ptrs = S + ((slot * H + h) * (N * N))[:, :, None] + (i[:, None] * N + i[None, :])[None, :, :]
+    st = tl.load(s_ptrs, mask=m[:, :, None], other=0.0)  # [BLOCK_M, N values, N keys]
+    w0, a0, v0, k_k, k_a, r_k = _time_mix_params(prm, C, c, c < C)
+    gn_w, gn_b = tl.load(prm + 6 * C + c), tl.load(prm + 7 * C + c)
+    _after_predecessor(PDL)
+    r = tl.load(R_ + rows * ldp + c, mask=m, other=0.0).to(tl.float32)
+    k = tl.load(K_ + rows * ldp + c, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(V_ + rows * ldp + c, mask=m, other=0.0).to(tl.float32)
+    wl = tl.load(WL + rows * ldl + c, mask=m, other=0.0).to(tl.float32)
+    al = tl.load(AL + rows * ldl + c, mask=m, other=0.0).to(tl.float32)
+    vl = tl.load(VL + rows * ldl + c, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G_ + rows * ldl + c, mask=m, other=0.0).to(tl.float32)
+    if FIRST:
+        tl.store(VF + rows * C + c, v.to(VF.dtype.element_ty), mask=m & (tl.program_id(1) == 0))
+        vf = v
+    else:
+        vf = tl.load(VF + rows * C + c, mask=m, other=0.0).to(tl.float32)
+    w_log, k, v, a, bb, bonus = _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, 1, FIRST)
+    w = tl.exp(w_log)
+    sa = tl.sum(st * a[:, None, :], axis=2)  # [BLOCK_M, N values]
+    o = (tl.sum(st * (w * r)[:, None, :], axis=2) + sa * tl.sum(bb * r, 1, keep_dims=True)
+         + v * tl.sum(k * r, 1, keep_dims=True))
+    mean = tl.sum(o, 1, keep_dims=True) / N
+    d = o - mean
+    var = tl.sum(d * d, 1, keep_dims=True) / N
+    y = (d * tl.rsqrt(var + gn_eps) * gn_w + gn_b + bonus * v) * g  # [BLOCK_M, N]
+    # x[:, n] += Σ_i Wo[n, h·N + i] y[:, i] over this program's rows n of Wo
+    offs_n = tl.arange(0, TN)[None, :]
+    x_rows = X + rows.to(tl.int64) * C + offs_n
+    tl.atomic_add(x_rows + n0, tl.sum(wo[None, :, :] * y[:, None, :], axis=2), mask=m & (n0 + offs_n < n_hi),
+                  sem="relaxed")
+    for n in tl.range(n0 + TN, n_hi, TN, num_stages=STAGES):
+        wo = Wo.load([n, h * N]).to(tl.float32)
+        tl.atomic_add(x_rows + n, tl.sum(wo[None, :, :] * y[:, None, :], axis=2), mask=m & (n + offs_n < n_hi),
+                      sem="relaxed")
+    # the head's last program to get here advances the state: every other one has read it
+    if tl.atomic_add(arrived + h, 1) == blocks - 1:
+        st = st * w[:, None, :] + sa[:, :, None] * bb[:, None, :] + v[:, :, None] * k[:, None, :]
+        tl.store(s_ptrs, st, mask=m[:, :, None])
+        tl.store(arrived + h, 0)  # for the next launch (launches run one after another)
+
+
+WKV_OUT_TN = 64  # rows of Wo a tile
+WKV_OUT_STAGES = 3
+WKV_OUT_WARPS = 8
+
+
+def wkv_decode_out(
+    rkv: tuple[torch.Tensor, ...], lora: tuple[torch.Tensor, ...], v_first: torch.Tensor, prm: torch.Tensor,
+    state: torch.Tensor, idx: torch.Tensor, H: int, first: bool, wo: torch.Tensor, x: torch.Tensor,
+    arrived: torch.Tensor, *, n_sm: int = 132, per_sm: float = 2.0,
+) -> torch.Tensor:
+    """wkv_decode for up to FMA_ROWS rows with x += y · woᵀ in the same launch (y never stored).
+
+    arrived: [≥ H] int32 zeros, the kernel's arrival counters (zero again after each launch).
+    """
+    B = idx.shape[0]
+    C = v_first.shape[1]
+    N = C // H
+    total = triton.cdiv(C, WKV_OUT_TN)
+    tiles = max(1, int(total * H // (per_sm * n_sm)))  # Wo's tiles a program: about per_sm programs a multiprocessor
+    blocks = triton.cdiv(total, tiles)
+    wo_desc = TensorDescriptor.from_tensor(wo, [WKV_OUT_TN, N])
+    _wkv_decode_out_kernel[(H, blocks)](
+        *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, wo_desc, x, arrived, B, H, C,
+        tiles, GN_EPS, N=N, BLOCK_M=_pow2(B), TN=WKV_OUT_TN, STAGES=WKV_OUT_STAGES, FIRST=first,
+        num_warps=WKV_OUT_WARPS,
+        **_pdl(),
+    )
+    return x
 
 
 # --------------------------------------------------------------------------------------------

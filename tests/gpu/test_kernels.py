@@ -124,3 +124,55 @@ def test_ln_shift_mix_prefill_ragged_rows(lengths, programs, monkeypatch):
     lasts = [first + n - 1 for first, n in zip(firsts, lengths, strict=True)]
     assert close(new_shift, h_ref[lasts].double(), 1e-5)
     assert close(out.view(T, G, C), out_ref.double(), 1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("bj", [16, 32])
+def test_ffn_fma_adds_the_channel_mix_into_x(m, bj):
+    torch.manual_seed(4)
+    C, F = 192, 512  # C: the tiles shrink to divide it
+    kin = torch.randn(m, C, device=DEVICE)
+    wk, wv = torch.randn(F, C, device=DEVICE).half(), (torch.randn(C, F, device=DEVICE) / 8).half()
+    base = torch.randn(m, C, device=DEVICE)
+    x = base.clone()
+    K.ffn_fma(kin, wk, wv, x, m, bj=bj)
+    ref = base.double() + (kin.double() @ wk.double().t()).relu().square() @ wv.double().t()
+    assert close(x, ref, 1e-5)
+
+
+def decode_inputs(B: int, H: int, N: int, seed: int):
+    """What the time-mix core of one decode step takes, random: r, k, v as views of one buffer and
+    the LoRA outputs of another (the runner's strides), v_first, parameters, states of 6 slots."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    C = H * N
+    proj = torch.randn(B, 3 * C + 64, device=DEVICE, generator=g)
+    lora = torch.randn(B, 4 * C, device=DEVICE, generator=g)
+    prm = torch.randn(8, C, device=DEVICE, generator=g) * 0.5
+    prm[6] += 1.0  # GroupNorm weight around 1
+    state = torch.randn(6, H, N, N, device=DEVICE, generator=g) * 0.3
+    return (tuple(proj[:, j * C:(j + 1) * C] for j in range(3)), tuple(lora[:, j * C:(j + 1) * C] for j in range(4)),
+            torch.randn(B, C, device=DEVICE, generator=g), prm, state)
+
+
+@pytest.mark.parametrize("n_sm", [1, 132], ids=["a-program-a-head", "blocks-of-wo"])
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("N", [32, 64])
+def test_wkv_decode_out_is_the_core_then_the_output_projection(N, B, first, n_sm):
+    """Against wkv_decode and the gemv (tested above): x, the slots' states and v_first alike, over
+    two launches (the arrival counters are back at zero after each)."""
+    H = 4
+    rkv, lora, v_first, prm, state = decode_inputs(B, H, N, seed=5 + B)
+    C = H * N
+    wo = (torch.randn(C, C, device=DEVICE) / 8).half()
+    idx = torch.tensor([4, 1][:B], dtype=torch.int32, device=DEVICE)
+    base = torch.randn(B, C, device=DEVICE)
+    x, state_ref, vf_ref, vf = base.clone(), state.clone(), v_first.clone(), v_first.clone()
+    arrived = torch.zeros(H, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        y = K.wkv_decode(rkv, lora, vf_ref, prm, state_ref, idx, H, first, torch.float32)
+        x_ref = x.double() + y.double() @ wo.double().t()
+        K.wkv_decode_out(rkv, lora, vf, prm, state, idx, H, first, wo, x, arrived, n_sm=n_sm)
+        assert close(x, x_ref, 1e-5)
+        assert close(state, state_ref.double(), 1e-6)
+        assert torch.equal(vf, vf_ref) and not arrived.any()
