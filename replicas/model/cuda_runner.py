@@ -140,15 +140,11 @@ class CudaRunner(SlotStates):
         # faster in the prefill of 4,096 tokens; either way the logits' errors differ by < 3e-4
         self.fp32_outputs_decode = True
         self.fp32_outputs_prefill = False
-        # one or two decode rows: the time-mix core with the output projection, and the channel mix's
-        # two products, each as one kernel (kernels.wkv_decode_out, kernels.ffn_fma)
-        self.fused_decode = True
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
         self._fresh = set(range(max_slots))  # slots at the zero state (prefill treats their first token apart)
         self._tables()
-        self._arrived = torch.zeros(self.H, dtype=torch.int32, device=self.device)  # wkv_decode_out's counters
         self._mm_f32, self._bmm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
@@ -203,7 +199,7 @@ class CudaRunner(SlotStates):
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple(len(rows) for rows, _ in steps), call and tuple(len(c) for c in call[1]), self.prefill_wkv,
-               self.fp32_outputs_prefill, self.fused_decode)
+               self.fp32_outputs_prefill)
 
         def body(dev: Tensor) -> list[Tensor]:
             views, outs = dev.split(sizes), []
@@ -289,7 +285,7 @@ class CudaRunner(SlotStates):
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         """The decode graph of a bucket, captured on first use along the path chosen for it."""
         small = self._small_path(bucket)
-        key = (bucket, small, self.fp32_outputs_decode, self.fused_decode)
+        key = (bucket, small, self.fp32_outputs_decode)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, small)
         return self._graphs[key]
@@ -303,7 +299,7 @@ class CudaRunner(SlotStates):
         if bucket not in self.path_choice:
             times = {}
             for small in (True, False):
-                key = (bucket, small, self.fp32_outputs_decode, self.fused_decode)
+                key = (bucket, small, self.fp32_outputs_decode)
                 self._graphs[key] = self._capture(bucket, small)
                 times[small] = _replay_ms(self._graphs[key][0])
             # the gemv path keeps activations fp32 (greedy text as on the CPU): it is kept unless
@@ -340,7 +336,6 @@ class CudaRunner(SlotStates):
         act = torch.float32 if small else self.dtype
         # PDL (H200): gemv path 1.1-1.3x at 1-8 rows; cuBLAS path 4% slower at 256 rows
         K.PDL = self.pdl and small
-        fused = small and self.fused_decode and B <= K.FMA_ROWS
         x = K.embed_ln(tokens, self.emb, *self.ln0)  # [B, C] fp32
         v_first = torch.empty(B, C, device=dev, dtype=act)
         dx = None  # the large path's pending residual update; the small path adds into x directly
@@ -353,19 +348,12 @@ class CudaRunner(SlotStates):
                 out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
                 K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
                 lora = _kernel_order(out.view(B, 4, C).unbind(1))
-                if fused:
-                    K.wkv_decode_out(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, lw.wo, x,
-                                     self._arrived, n_sm=self.n_sm)
-                else:
-                    y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
-                    K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+                y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
+                K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
-                if fused:
-                    K.ffn_fma(kin, lw.wfk, lw.wfv, x, B, n_sm=self.n_sm)
-                else:
-                    kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
-                    K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
-                    K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+                kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
+                K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
+                K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
             else:
                 fp32 = self.fp32_outputs_decode
                 rkv, lora = self._projections(lw, mixed, B, fp32)

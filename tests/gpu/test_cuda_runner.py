@@ -165,7 +165,7 @@ def test_recurring_prefill_shapes_replay_a_graph(pair):
             ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
             assert rel_err(ours, theirs) <= TOLERANCE, f"{lengths} call {call}"
             assert_states_close(runner, ref, slots)
-        key = ((), lengths, runner.prefill_wkv, runner.fp32_outputs_prefill, runner.fused_decode)
+        key = ((), lengths, runner.prefill_wkv, runner.fp32_outputs_prefill)
         assert key in runner._prefill_graphs
     runner.prefill_wkv = "recurrent"
 
