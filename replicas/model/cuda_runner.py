@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,57 +89,6 @@ class _Batch:
     rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
     cu_seqlens: Tensor  # [R + 1]
     chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
-
-
-class _Ahead:
-    """Decode steps (generators of CudaRunner._decode_layers) that a prefill call waits on layer by
-    layer: the fresh rows' first tokens, whose states at layer i the call's layer i goes on from.
-
-    On a GPU they run on a side stream, each layer beside the call's previous one: a step's layer
-    i + 1 waits for the call's kernels up to the pass over the chunks of layer i (one program a
-    multiprocessor, latency-bound), and runs beside it and what follows; the call's layer i + 1
-    waits for it. Elsewhere they run in the same order, one launch after another.
-    """
-
-    def __init__(self, steps: list, layers: int, device: torch.device):
-        self.steps, self.left = steps, layers + 1  # layers, then the head
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            self.side = torch.cuda.Stream(device)
-        self.done: list = []  # per layer: an event on the side stream (GPU)
-        self.logits: list[Tensor] = []
-        self.beside()  # the embedding and layer 0, which the call's layer 0 needs first
-
-    def beside(self) -> None:
-        """Launches the steps' next layer (or, after the last, their head), after what the call
-        has launched so far."""
-        if self.left == 0:
-            return
-        self.left -= 1
-        if not self.cuda:
-            outs = [next(step) for step in self.steps]
-        else:
-            self.side.wait_stream(self.main)
-            with torch.cuda.stream(self.side):
-                outs = [next(step) for step in self.steps]
-            self.done.append(self.side.record_event())
-        if self.left == 0:
-            self.logits = outs
-
-    def before_layer(self, i: int) -> None:
-        if self.cuda:
-            self.main.wait_event(self.done[i])
-
-    def finish(self) -> list[Tensor]:
-        """The steps' logits; the main stream waits for everything the steps launched."""
-        while self.left:
-            self.beside()
-        if self.cuda:
-            self.main.wait_stream(self.side)
-            for logits in self.logits:
-                logits.record_stream(self.main)  # made on the side stream, read on the main one
-        return self.logits
 
 
 def _buckets(max_rows: int) -> list[int]:
@@ -253,14 +202,12 @@ class CudaRunner(SlotStates):
                self.fp32_outputs_prefill)
 
         def body(dev: Tensor) -> list[Tensor]:
-            views = dev.split(sizes)
-            firsts = [self._decode_layers(view[:len(rows)], view[len(rows):], len(rows), small=True)
-                      for view, (rows, _) in zip(views, steps, strict=False)]  # (views may end with the call's)
-            if call is None:
-                return [list(layers)[-1] for layers in firsts]
-            ahead = _Ahead(firsts, len(self.layers), self.device)
-            out = self._prefill_body(self._batch_views(views[-1], layout), ahead)
-            return ahead.finish() + [out]
+            views, outs = dev.split(sizes), []
+            for view, (rows, _) in zip(views, steps, strict=False):  # (views may end with the call's)
+                outs.append(self._decode_body(view[:len(rows)], view[len(rows):], len(rows), small=True))
+            if call is not None:
+                outs.append(self._prefill_body(self._batch_views(views[-1], layout)))
+            return outs
 
         graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs else None
         if graph is None:
@@ -385,12 +332,6 @@ class CudaRunner(SlotStates):
         small: the gemv path, fp32 between kernels (activations enter the products as hi + lo
         fp16 parts, so only the weights are rounded); else cuBLAS, fp16 between kernels.
         """
-        *_, logits = self._decode_layers(tokens, idx, B, small)
-        return logits
-
-    def _decode_layers(self, tokens: Tensor, idx: Tensor, B: int, small: bool) -> Iterator[Tensor | None]:
-        """_decode_body a layer at a time: launches the embedding and a layer, then each further
-        layer, yielding None after each; then the head, yielding the logits."""
         st, C, dev = self.states, self.C, self.device
         act = torch.float32 if small else self.dtype
         # PDL (H200): gemv path 1.1-1.3x at 1-8 rows; cuBLAS path 4% slower at 256 rows
@@ -421,13 +362,11 @@ class CudaRunner(SlotStates):
                 dx = self._mm_out(y, lw.wo.t(), fp32)
                 kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
                 dx = self._ffn(lw, kin, fp32)
-            yield None
         hn = K.add_ln(x, dx, *self.ln_out, None, act)
         if small:
             logits = torch.empty(B, self.vocab_size, device=dev, dtype=torch.float32)
-            yield K.gemv(hn, self.head, logits, B, n_sm=self.n_sm)
-        else:
-            yield self._mm_f32(hn, self.head.t())
+            return K.gemv(hn, self.head, logits, B, n_sm=self.n_sm)
+        return self._mm_f32(hn, self.head.t())
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
 
@@ -496,10 +435,9 @@ class CudaRunner(SlotStates):
             chunk_indices=views[7].view(-1, 2) if chunked else None,
         )
 
-    def _prefill_body(self, batch: _Batch, ahead: _Ahead | None = None) -> Tensor:
+    def _prefill_body(self, batch: _Batch) -> Tensor:
         """All rows' tokens through the layers. Up to EXACT_PREFILL tokens: the gemv products with
-        fp32 between kernels (and the recurrent kernel); more: cuBLAS, fp16, the chunked kernel.
-        ahead: decode steps whose states a layer needs first (the fresh rows' first tokens)."""
+        fp32 between kernels (and the recurrent kernel); more: cuBLAS, fp16, the chunked kernel."""
         st, C, H, dev = self.states, self.C, self.H, self.device
         T, R = batch.tokens.shape[0], batch.slots.shape[0]
         exact = T <= EXACT_PREFILL
@@ -513,8 +451,6 @@ class CudaRunner(SlotStates):
         new_shift = torch.empty(R, C, device=dev, dtype=torch.float32)
         dx = None
         for i, lw in enumerate(self.layers):
-            if ahead is not None:
-                ahead.before_layer(i)
             mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act, batch,
                                                new_shift)
             if exact:
@@ -527,13 +463,10 @@ class CudaRunner(SlotStates):
             else:
                 rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
             w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
-            beside = ahead.beside if ahead is not None else None  # the steps' next layer, beside the pass
             if wkv == "chunked":
                 o = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
-                                            batch.chunk_indices, self.n_sm, before_pass=beside)
+                                            batch.chunk_indices, self.n_sm)
             else:
-                if beside is not None:
-                    beside()
                 o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
             y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             dx = self._product(y, lw.wo, exact)

@@ -29,8 +29,6 @@ What bounds it: each chunk's seven small products run one after another, about 2
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -142,11 +140,9 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
 
 
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                  chunk_indices: torch.Tensor, n_sm: int,
-                  before_pass: Callable[[], None] | None = None) -> torch.Tensor:
+                  chunk_indices: torch.Tensor, n_sm: int) -> torch.Tensor:
     """The recurrence over ragged rows in the chunked form: o [T, C] in v's dtype; the rows' slots
-    of state [S, H, N(values), N(keys)] advance in place. before_pass: called between the two
-    kernels' launches (the runner launches other work there, beside the pass).
+    of state [S, H, N(values), N(keys)] advance in place.
 
     r, k, v, a, b [T, C] (k, v, a, b in one 16-bit dtype), w_log [T, C] fp32 (log decay);
     cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices [n_chunks, 2]
@@ -160,8 +156,6 @@ def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor
     _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
                                                     cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
                                                     num_warps=PREP_WARPS, **K._pdl())
-    if before_pass is not None:
-        before_pass()
     o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
                   n_sm)
     return o.view(T, C)
