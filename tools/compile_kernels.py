@@ -70,7 +70,7 @@ def _source(kernel, args, kwargs):
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     names = kernel.arg_names
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch attribute: the kernel's PDL constexpr says what it compiles
     bound = dict(zip(names, args, strict=False)) | kwargs
     constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}
@@ -129,7 +129,7 @@ def resource_use(cubin: bytes) -> dict[str, int]:
         f.write(cubin)
         f.flush()
         out = subprocess.run([os.fspath(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return {key: int(value) for key, value in re.findall(r"\b(REG|LOCAL):(\d+)", out)}
+    return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
 
 
 def compile_all(launches: list) -> list[tuple[str, str]]:
@@ -148,7 +148,7 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
         try:
             compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
             use = resource_use(compiled.asm["cubin"]) | {"SMEM": compiled.metadata.shared}
-            spills = " SPILLS" if use.get("LOCAL") else ""
+            spills = " SPILLS" if use.get("STACK") or use.get("LOCAL") else ""
             print(f"ok    {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}", flush=True)
         except Exception as error:  # noqa: BLE001 - every compiler error is a finding to report
             failures.append((label, str(error)))
