@@ -8,8 +8,8 @@ all pass it and fail on the GPU. Here the runner's paths run on the CPU on a sma
 Triton launch recorded instead of run; each distinct launch (kernel, argument types, constexprs,
 warps, stages) is then compiled to a cubin for sm_90 with the local Triton (AST -> PTX -> ptxas),
 and the cubin's resource use is read back with Triton's bundled cuobjdump: registers per thread,
-spilled bytes (local memory), shared memory. Nothing is executed, so no result is checked:
-tests/gpu do that.
+stack frame bytes per thread (where ptxas spills registers; LOCAL, local arrays, stays 0 for
+spills), shared memory. Nothing is executed, so no result is checked: tests/gpu do that.
 
     python tools/compile_kernels.py      # one line per launch; exit 1 if any fails to compile
 """
@@ -118,8 +118,8 @@ def exercise_runner() -> list:
 
 
 def resource_use(cubin: bytes) -> dict[str, int]:
-    """Registers per thread (REG) and spilled bytes per thread (LOCAL) of the cubin's kernel, from
-    cuobjdump; empty if the tool is missing."""
+    """Registers per thread (REG), stack frame bytes per thread (STACK: spills) and local arrays
+    (LOCAL) of the cubin's kernel, from cuobjdump; empty if the tool is missing."""
     import triton  # noqa: PLC0415
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
