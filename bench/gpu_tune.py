@@ -99,7 +99,7 @@ def tune_gemv(models: list[str], bandwidth: float, results: dict) -> None:
                     "best_dot": best["dot"] and (round(best["dot"][0], 2), best["dot"][1].__dict__),
                     "default": next((round(us, 2) for us, c in rows
                                      if (c.fma, c.block_n, c.block_k, c.warps, c.stages)
-                                     == tuple(getattr(K.GEMV_FMA if m <= K.FMA_ROWS else K.GEMV_DOT, f)
+                                     == tuple(getattr(K.gemv_config(m, size), f)
                                               for f in ("fma", "block_n", "block_k", "warps", "stages"))), None),
                 }
                 us, c = rows[0]
