@@ -414,10 +414,10 @@ class GemvConfig:
 # stages deep for more rows. In one A/B call (docs/gpu.md), TMA-fed FMA programs for every matrix took
 # 7.2B at one row from 200 to 239 tokens/s and 1.5B from 790 to 817, where the plain-load FMA kernel
 # (registers bound its bytes in flight) had lost to the tensor cores on matrices over 64 MB.
-# In the decode graph (12-01h, end to end with PDL, one call): programs of one warp, three tiles
-# deep, with twice the K split for the atomic epilogue, on matrices up to 64 MB (more programs
+# In the decode graph (12-01h, end to end with PDL, one call): programs of one warp, two tiles in
+# flight, with twice the K split for the atomic epilogue, on matrices up to 64 MB (more programs
 # resident a multiprocessor) took one row from 820 to 908 tokens/s at 1.5B, 242 to 250 at 7.2B and
-# 3,450 to 3,612 at 0.1B; 7.2B's matrices over 64 MB (and every head) keep four warps (two: 242 -> 237).
+# 3,450 to 3,612 at 0.1B. Matrices over 64 MB (7.2B's, every head) keep four warps (two on them: 242 -> 237).
 FMA_ROWS = 2  # up to this many rows the FMA kernel runs (exact fp32 activations)
 GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=1, stages=3, per_sm=8)
 GEMV_FMA_LARGE = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=4, per_sm=4)
