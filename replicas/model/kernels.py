@@ -417,7 +417,8 @@ class GemvConfig:
 # In the decode graph (12-01h, end to end with PDL, one call): programs of one warp, two tiles in
 # flight, with twice the K split for the atomic epilogue, on matrices up to 64 MB (more programs
 # resident a multiprocessor) took one row from 820 to 908 tokens/s at 1.5B, 242 to 250 at 7.2B and
-# 3,450 to 3,612 at 0.1B. Matrices over 64 MB (7.2B's, every head) keep four warps (two on them: 242 -> 237).
+# 3,450 to 3,612 at 0.1B. Matrices over 64 MB (7.2B's, every head) keep four warps (7.2B with two
+# warps on every matrix: 242 -> 237).
 FMA_ROWS = 2  # up to this many rows the FMA kernel runs (exact fp32 activations)
 GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=1, stages=3, per_sm=8)
 GEMV_FMA_LARGE = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=4, per_sm=4)
