@@ -409,16 +409,17 @@ class GemvConfig:
     per_sm: int = 2
 
 
-# Chosen on an H200: narrow FMA programs (8 weight rows × 256 columns, W's tiles three deep in flight
-# through TMA) for one or two rows of every matrix, the head included; 64-wide tensor-core tiles four
-# stages deep for more rows. In one A/B call (docs/gpu.md), TMA-fed FMA programs for every matrix took
-# 7.2B at one row from 200 to 239 tokens/s and 1.5B from 790 to 817, where the plain-load FMA kernel
-# (registers bound its bytes in flight) had lost to the tensor cores on matrices over 64 MB.
-# In the decode graph (12-01h, end to end with PDL, one call): programs of one warp, two tiles in
-# flight, with twice the K split for the atomic epilogue, on matrices up to 64 MB (more programs
-# resident a multiprocessor) took one row from 820 to 908 tokens/s at 1.5B, 242 to 250 at 7.2B and
-# 3,450 to 3,612 at 0.1B. Matrices over 64 MB (7.2B's, every head) keep four warps (7.2B with two
-# warps on every matrix: 242 -> 237).
+# Chosen on an H200 (docs/gpu.md), for one or two rows of every matrix, the head included: narrow FMA
+# programs, 8 weight rows × 256 columns, W's tiles in flight through TMA.
+# - Matrices up to 64 MB: one warp a program, two tiles in flight, the atomic epilogue's K split
+#   aiming at 8 programs a multiprocessor. Against four warps and three tiles, in the decode graph
+#   (12-01h, one call), one row went from 820 to 908 tokens/s at 1.5B, 242 to 250 at 7.2B and 3,450
+#   to 3,612 at 0.1B: more programs fit a multiprocessor.
+# - Larger matrices (7.2B's, every head): four warps, three tiles in flight (7.2B with two warps on
+#   every matrix read 242 -> 237).
+# TMA-fed FMA programs for every matrix once took 7.2B at one row from 200 to 239 tokens/s and 1.5B
+# from 790 to 817, where the plain-load FMA kernel (registers bound its bytes in flight) had lost to
+# the tensor cores on matrices over 64 MB. More rows: 64-wide tensor-core tiles, four stages deep.
 FMA_ROWS = 2  # up to this many rows the FMA kernel runs (exact fp32 activations)
 GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=1, stages=3, per_sm=8)
 GEMV_FMA_LARGE = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=4, per_sm=4)
