@@ -18,8 +18,8 @@ pad a bucket run on the scratch slot. Per layer:
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
 recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, then a pass over
 each row's chunks) or a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
-loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per call. Row lengths seen
-before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
+loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per
+call. Row lengths seen before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
 gemv decode step, fp32 activations: see prefill.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
@@ -285,10 +285,14 @@ class CudaRunner(SlotStates):
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         """The decode graph of a bucket, captured on first use along the path chosen for it."""
         small = self._small_path(bucket)
-        key = (bucket, small, self.fp32_outputs_decode)
+        key = self._decode_key(bucket, small)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, small)
         return self._graphs[key]
+
+    def _decode_key(self, bucket: int, small: bool) -> tuple:
+        """What a decode graph is captured for: its bucket, its path, and the settings it bakes in."""
+        return bucket, small, self.fp32_outputs_decode
 
     def _small_path(self, bucket: int) -> bool:
         """gemv or cuBLAS path: by timing both graphs once (auto_path), else by small_batch."""
@@ -299,7 +303,7 @@ class CudaRunner(SlotStates):
         if bucket not in self.path_choice:
             times = {}
             for small in (True, False):
-                key = (bucket, small, self.fp32_outputs_decode)
+                key = self._decode_key(bucket, small)
                 self._graphs[key] = self._capture(bucket, small)
                 times[small] = _replay_ms(self._graphs[key][0])
             # the gemv path keeps activations fp32 (greedy text as on the CPU): it is kept unless
@@ -410,11 +414,8 @@ class CudaRunner(SlotStates):
         fields = [tokens, tok_slot, tok_row, lasts,
                   slots, torch.stack([slots, starts, lengths], 1).view(-1), cu]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
-        if chunked:  # the chunk index: (row, chunk within the row) for every chunk of wkv_chunk.CHUNK tokens
-            n_chunks = (lengths + wkv_chunk.CHUNK - 1) // wkv_chunk.CHUNK
-            row_of = torch.from_numpy(np.repeat(np.arange(R), n_chunks.numpy()))  # torch's: ms on a CPU
-            first = F.pad(n_chunks.cumsum(0), (1, 0))[:-1]
-            fields.append(torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1).view(-1))
+        if chunked:
+            fields.append(wkv_chunk.chunk_indices(lengths).view(-1))
         return torch.cat(fields), (tuple(f.shape[0] for f in fields), R, chunked)
 
     def _pinned(self, host: Tensor) -> Tensor:

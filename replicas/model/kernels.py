@@ -427,7 +427,8 @@ FMA_LARGE_BYTES = 64 << 20  # matrices above this take GEMV_FMA_LARGE
 GEMV_DOT = GemvConfig(fma=False, block_n=64, block_k=128, warps=4, stages=4, per_sm=2)
 
 
-def gemv_config(m: int, w_bytes: int = 0) -> GemvConfig:
+def gemv_config(m: int, w_bytes: int) -> GemvConfig:
+    """The configuration for m rows of a matrix of w_bytes."""
     if m > FMA_ROWS:
         return GEMV_DOT
     return GEMV_FMA_LARGE if w_bytes > FMA_LARGE_BYTES else GEMV_FMA

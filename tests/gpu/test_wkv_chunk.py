@@ -2,7 +2,8 @@
 float64; the whole chunked form against RWKV-7's recurrence (rwkv7.wkv_reference), and on long
 rows against fla-core's chunk_dplr_fwd's error.
 
-Marked `gpu`; the first test also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+Marked `gpu`; all but the comparison with fla also run on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -89,9 +90,7 @@ def rwkv7_inputs(T, H, N, seed):
 
 
 def chunk_index(cu):
-    n_chunks = ((cu[1:] - cu[:-1]) + W.CHUNK - 1) // W.CHUNK
-    return torch.cat([torch.stack([torch.full((int(c),), i), torch.arange(int(c))], 1)
-                      for i, c in enumerate(n_chunks)]).to(DEVICE)  # (row, chunk in the row)
+    return W.chunk_indices((cu[1:] - cu[:-1]).cpu()).to(DEVICE)
 
 
 @pytest.mark.parametrize("lengths", [[200], [64, 1, 130, 7]])
