@@ -8,8 +8,8 @@ weights rounded to bf16 as the GPU runs them), the benchmark's four rows of 48, 
 tokens, and rwkv7.py's math in fp32 except where a case rounds to bf16:
 
     plain bf16          the whole model in bf16 (as torch runs it on the GPU)
-    product inputs      the activations entering every nn.Linear (what enters the tensor cores)
-    product outputs     every nn.Linear's output (what the runner keeps between kernels)
+    product inputs      the activations entering every rwkv7.Linear (what enters the tensor cores)
+    product outputs     every rwkv7.Linear's output (what the runner keeps between kernels)
     inputs and outputs  both
 
     python tools/bf16_error.py [--model 1.5b] [--threads N]
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu import EXACTNESS_LENGTHS, SHAPES, random_model  # noqa: E402
 
+from replicas.model import rwkv7  # noqa: E402
 from replicas.model.runner import ModelRunner  # noqa: E402
 
 
@@ -41,13 +42,13 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 
 def prefill(model, chunks: list[list[int]], round_in: bool = False, round_out: bool = False) -> torch.Tensor:
     """Last-token logits of each row from a zero state, products' inputs/outputs rounded as asked."""
-    plain = torch.nn.Linear.forward
+    plain = rwkv7.Linear.forward
 
     def forward(self, x):
         y = F.linear(bf16(x) if round_in else x, self.weight)
         return bf16(y) if round_out else y
 
-    torch.nn.Linear.forward = forward
+    rwkv7.Linear.forward = forward
     try:
         runner = ModelRunner(model, max_slots=len(chunks))
         rows = list(range(len(chunks)))
@@ -55,7 +56,7 @@ def prefill(model, chunks: list[list[int]], round_in: bool = False, round_out: b
             runner.reset(row)
         return runner.prefill(rows, chunks).float()
     finally:
-        torch.nn.Linear.forward = plain
+        rwkv7.Linear.forward = plain
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ os.environ.setdefault("RWKV_JIT_ON", "0")
 import pytest
 import torch
 
+from replicas.model import rwkv7
 from replicas.model.checkpoint import save_pth
 from replicas.model.config import ModelConfig
 from replicas.model.runner import ModelRunner
@@ -25,6 +26,7 @@ SHAPES = {
     "L3-C128-H4x32": ModelConfig(3, 128, 32, 300, 200, 8, 12, 6, 10),
     "L2-C192-H3x64": ModelConfig(2, 192, 64, 1000, 768, 16, 16, 8, 32),
     "L4-C96-H6x16": ModelConfig(4, 96, 16, 64, 384, 32, 8, 16, 24),
+    "L1-C512-H8x64": ModelConfig(1, 512, 64, 2048, 1024, 16, 16, 8, 32),  # 1 MB matrices: oneDNN's path
 }
 
 
@@ -124,3 +126,23 @@ def test_bad_rows_are_refused(pair):
         runner.prefill([0, 0], [[1], [2]])
     with pytest.raises(ValueError):
         runner.prefill([9], [[1]])
+
+
+def test_large_cpu_products_take_onednn(monkeypatch):
+    """Matrices of 1 MB and more go to oneDNN at inference (any number of rows), agreeing with
+    torch's product; smaller ones and autograd take nn.Linear's path."""
+    if rwkv7._onednn_linear is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    calls = []
+    real = rwkv7._onednn_linear
+    monkeypatch.setattr(rwkv7, "_onednn_linear", lambda *args: calls.append(args[1].shape) or real(*args))
+    large, small = rwkv7.Linear(512, 1024), rwkv7.Linear(256, 256)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 512)
+        with torch.no_grad():
+            y = large(x)
+            small(x[:, :256])
+        assert rel_err(y, torch.nn.functional.linear(x, large.weight)) <= 1e-6
+    assert calls == [(1024, 512)] * 3
+    large(torch.randn(2, 512)).sum().backward()  # autograd: torch's own product
+    assert large.weight.grad is not None and calls == [(1024, 512)] * 3
