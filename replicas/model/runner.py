@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
-from .rwkv7 import RWKV7, Rows, WkvFn, wkv_reference
+from .rwkv7 import RWKV7, Rows, WkvFn, wkv_chunked
 from .state import RNNState
 
 
@@ -56,7 +56,7 @@ class SlotStates:
 
 
 class ModelRunner(SlotStates):
-    def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn = wkv_reference):
+    def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn = wkv_chunked):
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device

@@ -5,7 +5,8 @@ number of tokens, packed flat along one token axis ([T, C], T = all rows' tokens
 `Rows` says where each row lies. Everything but the time-mix recurrence is per token (matrix
 products over all T at once) or looks one token back (the token shift, which takes a row's first
 "previous token" from its state). The recurrence runs through a `WkvFn` that the caller picks:
-`wkv_reference` below (token by token, the definition) or a GPU kernel with the same contract.
+`wkv_reference` below (token by token, the definition), `wkv_chunked` (the same in chunks of
+tokens, the CPU runner's) or a GPU kernel with the same contract.
 
 Parameter names are BlinkDL's, so a checkpoint's state dict loads as it is once its [1, 1, C]
 vectors are squeezed (see checkpoint.py).
@@ -113,6 +114,60 @@ def _wkv_uniform(S: Tensor, r, w, k, v, a, b, B: int) -> tuple[Tensor, Tensor]:
         outs.append(out)
     out = outs[0] if T == 1 else torch.stack(outs, dim=1)
     return out.reshape(B * T, *r.shape[2:]), S
+
+
+CHUNK = 32  # tokens a chunk of wkv_chunked: the decay over a chunk stays within fp32 (>= e^-19.4)
+CHUNKED_MIN_TOKENS = 16  # shorter calls (decode) loop over their few tokens
+
+
+def wkv_chunked(
+    state: Tensor, r: Tensor, w_log: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, rows: Rows
+) -> tuple[Tensor, Tensor]:
+    """wkv_reference's recurrence a chunk of tokens at a time (inference on the CPU's runner: a
+    Python loop over 2,000 tokens took most of a long prompt's prefill). Rows of unequal lengths
+    go one at a time; rows shorter than CHUNKED_MIN_TOKENS (decode) take wkv_reference.
+
+    Within a chunk from state S0, with W_t the decay's running product (t inclusive), the inputs
+    scaled to the chunk's start (ã_t = a_t·W_{t-1}, b̃_t = b_t/W_t, k̃_t = k_t/W_t, r̃_t = r_t·W_t)
+    and u_t = S_{t-1} a_t:
+        u_t = S0 ã_t + Σ_{s<t} u_s (b̃_s·ã_t) + v_s (k̃_s·ã_t)     (one unit-triangular solve)
+        out_t = S0 r̃_t + Σ_{s<=t} u_s (b̃_s·r̃_t) + v_s (k̃_s·r̃_t)
+        S_end = (S0 + Σ_s u_s b̃_sᵀ + v_s k̃_sᵀ) · diag(W_end)
+    """
+    if max(rows.lengths) < CHUNKED_MIN_TOKENS or w_log.min() < -DECAY_SCALE * (1 + 1e-6):
+        return wkv_reference(state, r, w_log, k, v, a, b, rows)  # short, or decays no model makes
+    if not rows.uniform:
+        parts = [wkv_chunked(state[i:i + 1], *(x[start:start + n] for x in (r, w_log, k, v, a, b)), Rows([n]))
+                 for i, (start, n) in enumerate(zip(rows.starts.tolist(), rows.lengths, strict=True))]
+        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+    with torch.autocast(state.device.type, enabled=False):
+        B, T = rows.count, rows.lengths[0]
+        H, N = r.shape[1], r.shape[2]
+
+        def heads_first(x: Tensor) -> Tensor:  # [B*T, H, N] -> [B, H, T, N]
+            return x.float().view(B, T, H, N).transpose(1, 2)
+
+        r, w_log, k, v, a, b = (heads_first(x) for x in (r, w_log, k, v, a, b))
+        S = state.float()
+        strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=S.device).tril(-1)
+        upto = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=S.device).tril()
+        outs = []
+        for c0 in range(0, T, CHUNK):
+            rc, wl, kc, vc, ac, bc = (x[:, :, c0:c0 + CHUNK] for x in (r, w_log, k, v, a, b))
+            n = rc.shape[2]
+            log_w = wl.cumsum(2)
+            a_ = ac * (log_w - wl).exp()
+            inv = (-log_w).exp()
+            b_, k_, r_ = bc * inv, kc * inv, rc * log_w.exp()
+            s0 = S.transpose(-1, -2)  # [B, H, N keys, N values]
+            m_ab = (a_ @ b_.transpose(-1, -2)).masked_fill_(~strict[:n, :n], 0.0)
+            m_ak = (a_ @ k_.transpose(-1, -2)).masked_fill_(~strict[:n, :n], 0.0)
+            u = torch.linalg.solve_triangular(-m_ab, a_ @ s0 + m_ak @ vc, upper=False, unitriangular=True)
+            rb = (r_ @ b_.transpose(-1, -2)).masked_fill_(~upto[:n, :n], 0.0)
+            rk = (r_ @ k_.transpose(-1, -2)).masked_fill_(~upto[:n, :n], 0.0)
+            outs.append(r_ @ s0 + rb @ u + rk @ vc)
+            S = (S + u.transpose(-1, -2) @ b_ + vc.transpose(-1, -2) @ k_) * log_w[:, :, -1:].exp()
+        return torch.cat(outs, 2).transpose(1, 2).reshape(B * T, H, N), S
 
 
 def token_shift(x: Tensor, shift: Tensor, rows: Rows) -> Tensor:

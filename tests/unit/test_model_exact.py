@@ -146,3 +146,36 @@ def test_large_cpu_products_take_onednn(monkeypatch):
     assert calls == [(1024, 512)] * 3
     large(torch.randn(2, 512)).sum().backward()  # autograd: torch's own product
     assert large.weight.grad is not None and calls == [(1024, 512)] * 3
+
+
+@pytest.mark.parametrize("lengths", [(100, 100), (100, 17, 40)])
+@pytest.mark.parametrize("decay", ["random", "strongest", "weakest"])
+def test_chunked_recurrence_matches_the_definition(decay, lengths, monkeypatch):
+    """wkv_chunked (the CPU runner's prefill) against wkv_reference token by token: rows of 100
+    tokens (three full chunks and a partial one), or of unequal lengths, from a nonzero state, at
+    the strongest decay RWKV-7 allows, at none, and at random ones."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, N = len(lengths), 3, 16
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    total = sum(lengths)
+    r, k, v = draw(total, H, N), draw(total, H, N), draw(total, H, N)
+    kk = torch.nn.functional.normalize(draw(total, H, N), dim=-1)
+    a, b = -kk, kk * torch.rand(total, H, N, generator=gen)
+    w_log = {"random": -rwkv7.DECAY_SCALE * torch.rand(total, H, N, generator=gen),
+             "strongest": torch.full((total, H, N), -rwkv7.DECAY_SCALE),
+             "weakest": torch.full((total, H, N), -1e-7)}[decay]
+    state = draw(B, H, N, N) * 0.3
+    rows = rwkv7.Rows(list(lengths))
+    reference = rwkv7.wkv_reference
+    ref_out, ref_state = reference(state, r, w_log, k, v, a, b, rows)
+
+    def refuse(*args):
+        raise AssertionError("wkv_chunked fell back to the reference")  # every row here is >= 16 tokens
+
+    monkeypatch.setattr(rwkv7, "wkv_reference", refuse)
+    out, new_state = rwkv7.wkv_chunked(state, r, w_log, k, v, a, b, rows)
+    assert rel_err(out, ref_out) <= 1e-5
+    assert rel_err(new_state, ref_state) <= 1e-5
