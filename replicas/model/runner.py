@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
-from .rwkv7 import RWKV7, Rows, WkvFn, wkv_chunked
+from .rwkv7 import RWKV7, Rows, WkvFn, wkv_chunked, wkv_reference
 from .state import RNNState
 
 
@@ -56,12 +56,13 @@ class SlotStates:
 
 
 class ModelRunner(SlotStates):
-    def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn = wkv_chunked):
+    def __init__(self, model: RWKV7, max_slots: int, wkv: WkvFn | None = None):
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.max_slots = max_slots
-        self.wkv = wkv
+        # on a GPU this runner is the fp32 reference of tests and benchmarks: the definition there
+        self.wkv = wkv or (wkv_chunked if self.device.type == "cpu" else wkv_reference)
         self.states = RNNState.zeros(self.config, max_slots, self.device)  # the slot table's rows
 
     @torch.no_grad()
