@@ -19,8 +19,8 @@ Prefill (`prefill`): rows of any lengths, flat on one token axis; products over 
 recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, then a pass over
 each row's chunks) or a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
 loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per
-call. Row lengths seen before replay a CUDA graph of the call. A new row's first token (its slot reset) runs first as a
-gemv decode step, fp32 activations: see prefill.
+call. Row lengths seen before replay a CUDA graph of the call. A new row's first token (its slot
+reset) runs first as a gemv decode step, fp32 activations: see prefill.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
 the slots' states).

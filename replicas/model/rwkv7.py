@@ -149,8 +149,8 @@ def wkv_chunked(
 
         r, w_log, k, v, a, b = (heads_first(x) for x in (r, w_log, k, v, a, b))
         S = state.float()
-        strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=S.device).tril(-1)
-        upto = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=S.device).tril()
+        ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=S.device)
+        not_before, after = ones.triu(), ones.triu(1)  # [t, s]: s >= t, s > t (the terms left out)
         outs = []
         for c0 in range(0, T, CHUNK):
             rc, wl, kc, vc, ac, bc = (x[:, :, c0:c0 + CHUNK] for x in (r, w_log, k, v, a, b))
@@ -160,11 +160,11 @@ def wkv_chunked(
             inv = (-log_w).exp()
             b_, k_, r_ = bc * inv, kc * inv, rc * log_w.exp()
             s0 = S.transpose(-1, -2)  # [B, H, N keys, N values]
-            m_ab = (a_ @ b_.transpose(-1, -2)).masked_fill_(~strict[:n, :n], 0.0)
-            m_ak = (a_ @ k_.transpose(-1, -2)).masked_fill_(~strict[:n, :n], 0.0)
+            m_ab = (a_ @ b_.transpose(-1, -2)).masked_fill_(not_before[:n, :n], 0.0)
+            m_ak = (a_ @ k_.transpose(-1, -2)).masked_fill_(not_before[:n, :n], 0.0)
             u = torch.linalg.solve_triangular(-m_ab, a_ @ s0 + m_ak @ vc, upper=False, unitriangular=True)
-            rb = (r_ @ b_.transpose(-1, -2)).masked_fill_(~upto[:n, :n], 0.0)
-            rk = (r_ @ k_.transpose(-1, -2)).masked_fill_(~upto[:n, :n], 0.0)
+            rb = (r_ @ b_.transpose(-1, -2)).masked_fill_(after[:n, :n], 0.0)
+            rk = (r_ @ k_.transpose(-1, -2)).masked_fill_(after[:n, :n], 0.0)
             outs.append(r_ @ s0 + rb @ u + rk @ vc)
             S = (S + u.transpose(-1, -2) @ b_ + vc.transpose(-1, -2) @ k_) * log_w[:, :, -1:].exp()
         return torch.cat(outs, 2).transpose(1, 2).reshape(B * T, H, N), S
