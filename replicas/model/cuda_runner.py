@@ -177,34 +177,39 @@ class CudaRunner(SlotStates):
         # whole row's logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). First
         # tokens take the gemv decode step (fp32 activations), then the rest of each row the large
         # path, in one call (one graph).
+        # (a group whose rows all go on in the large path needs no logits from its step: no head)
         groups = [fresh[at:at + AUTO_PATH_MAX] for at in range(0, len(fresh), AUTO_PATH_MAX)]
         firsts = set(fresh)
         rest = [i for i in range(len(rows)) if i not in firsts or len(chunks[i]) > 1]
         outs = self._prefill_parts(
-            [([rows[i] for i in group], [chunks[i][0] for i in group]) for group in groups],
+            [([rows[i] for i in group], [chunks[i][0] for i in group], any(len(chunks[i]) == 1 for i in group))
+             for group in groups],
             ([rows[i] for i in rest], [chunks[i][1:] if i in firsts else chunks[i] for i in rest]) if rest else None)
         logits = torch.empty(len(rows), self.vocab_size, device=self.device)
         for group, out in zip([*groups, rest], outs, strict=False):  # (rest may be empty)
-            logits[group] = out
+            if out is not None:
+                logits[group] = out
         return logits
 
-    def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int]]],
-                       call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor]:
-        """Gemv decode steps (rows, tokens) of at most AUTO_PATH_MAX rows, then a prefill call
-        (rows, chunks), one after the other (as one graph where the shape recurs): their logits."""
-        pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens in steps]
+    def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int], bool]],
+                       call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor | None]:
+        """Gemv decode steps (rows, tokens, whether their logits are wanted) of at most
+        AUTO_PATH_MAX rows, then a prefill call (rows, chunks), one after the other (as one graph
+        where the shape recurs): their logits (None for a step that wants none)."""
+        pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
         if call is not None:
             fields, layout = self._batch_fields(*call)
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
-        key = (tuple(len(rows) for rows, _ in steps), call and tuple(len(c) for c in call[1]), self.prefill_wkv,
-               self.fp32_outputs_prefill)
+        key = (tuple((len(rows), want) for rows, _, want in steps), call and tuple(len(c) for c in call[1]),
+               self.prefill_wkv, self.fp32_outputs_prefill)
 
-        def body(dev: Tensor) -> list[Tensor]:
+        def body(dev: Tensor) -> list[Tensor | None]:
             views, outs = dev.split(sizes), []
-            for view, (rows, _) in zip(views, steps, strict=False):  # (views may end with the call's)
-                outs.append(self._decode_body(view[:len(rows)], view[len(rows):], len(rows), small=True))
+            for view, (rows, _, want) in zip(views, steps, strict=False):  # (views may end with the call's)
+                outs.append(self._decode_body(view[:len(rows)], view[len(rows):], len(rows), small=True,
+                                              logits=want))
             if call is not None:
                 outs.append(self._prefill_body(self._batch_views(views[-1], layout)))
             return outs
@@ -215,7 +220,7 @@ class CudaRunner(SlotStates):
         captured, static, outs = graph
         static.copy_(self._pinned(host), non_blocking=True)
         captured.replay()
-        return [out.clone() for out in outs]  # the graph's buffers are rewritten by the next replay
+        return [None if out is None else out.clone() for out in outs]  # rewritten by the next replay
 
     def _prefill_graph(self, key, host: Tensor, body) -> tuple | None:
         """The graph of a prefill shape seen before (captured now if need be); None on first sight."""
@@ -330,8 +335,9 @@ class CudaRunner(SlotStates):
             logits = self._decode_body(io[0], io[1], bucket, small)
         return graph, io, logits
 
-    def _decode_body(self, tokens: Tensor, idx: Tensor, B: int, small: bool) -> Tensor:
-        """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V].
+    def _decode_body(self, tokens: Tensor, idx: Tensor, B: int, small: bool, logits: bool = True) -> Tensor | None:
+        """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V]
+        (with logits=False the states advance and nothing more: no final LayerNorm, no head).
 
         small: the gemv path, fp32 between kernels (activations enter the products as hi + lo
         fp16 parts, so only the weights are rounded); else cuBLAS, fp16 between kernels.
@@ -366,10 +372,12 @@ class CudaRunner(SlotStates):
                 dx = self._mm_out(y, lw.wo.t(), fp32)
                 kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
                 dx = self._ffn(lw, kin, fp32)
+        if not logits:
+            return None
         hn = K.add_ln(x, dx, *self.ln_out, None, act)
         if small:
-            logits = torch.empty(B, self.vocab_size, device=dev, dtype=torch.float32)
-            return K.gemv(hn, self.head, logits, B, n_sm=self.n_sm)
+            out = torch.empty(B, self.vocab_size, device=dev, dtype=torch.float32)
+            return K.gemv(hn, self.head, out, B, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
@@ -464,12 +472,12 @@ class CudaRunner(SlotStates):
             else:
                 rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
             w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
-            if wkv == "chunked":
-                o = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
-                                            batch.chunk_indices, self.n_sm)
+            if wkv == "chunked":  # the chunked form's output kernel ends the time mix too
+                y = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
+                                            batch.chunk_indices, self.n_sm, finish=(lora[3], bonus, lw.prm, act))
             else:
                 o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
-            y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
+                y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             dx = self._product(y, lw.wo, exact)
             kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act, batch,
                                              new_shift)

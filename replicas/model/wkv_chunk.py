@@ -1,9 +1,9 @@
-"""The chunked RWKV-7 recurrence of long prefill: two Triton kernels.
+"""The chunked RWKV-7 recurrence of long prefill: three Triton kernels.
 
 Per head, with h the state [N keys, N values], RWKV-7 runs token by token
     h = diag(exp(w)) h + bᵀ(a h) + kᵀv,    o = r h
 (a = -κ̂, b = κ̂·gate). Over a chunk of BT tokens this is a few dense products (the WY form of
-fla-core's chunk_dplr_fwd, whose five stages these two kernels replace):
+fla-core's chunk_dplr_fwd, whose five stages these three kernels replace):
 
 `_chunk_prep_kernel`, a program per (chunk, head), parallel over every chunk of every row: the
 log₂ decays' sums gi within the chunk (ge: before each token, g_last: the chunk's), the gated
@@ -11,20 +11,24 @@ inputs qg = r·2^gi, kg = k·2^(g_last-gi), bg = b·2^(g_last-gi), the intra-chu
 A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representation
     w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
 and A_ak likewise with k. Exponents are taken from the chunk's middle token, so no factor leaves
-fp32's range (fla's fp16 operands could overflow on strong decays); the products are tf32, the
-inverse a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0). It replaces
+fp32's range (fla's fp16 operands could overflow on strong decays); these products are tf32. The
+inverse is a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0), in fp16
+operands on heads of 64 (25% faster than tf32 there; fp16 faulted on heads of 32). It replaces
 fla's three parallel stages: 1.5B's 4,096-token prefill spent 6.0 ms in those on an H200, and
-spends 3.9 ms here (docs/gpu.md).
+spends 2.9 ms here (docs/gpu.md).
 
-`_state_out_kernel`, a program per (row, head, block of values), walks its row's chunks with the
-next chunks' tiles already loading (Triton's software pipelining), computes each chunk's output
-from the state it holds, and keeps that state in registers from the slot's state to its new one,
-read and written in place:
-    v2 = w h + u                       (h rounded to fp16 for the product)
-    o  = qg h + A_qk v + A_qb v2
+`_state_pass_kernel`, a program per (row, head, block of values), walks its row's chunks and keeps
+the state in registers from the slot's state to its new one, read and written in place; it stores
+each chunk's starting state h_c (fp16) and v2:
+    v2 = w h + u                       (h and v2 rounded to fp16 for the products)
     h  = exp2(g_last) h + kgᵀ v + bgᵀ v2
-What bounds it: each chunk's seven small products run one after another, about 2.9 µs a chunk
-(docs/gpu.md).
+It asks for the next chunk's tiles into registers before the current chunk's products: with
+Triton's own pipelining it waited for them at the top of every chunk (2.3 µs a chunk where this
+takes 1.3, H200; docs/gpu.md).
+
+`_chunk_out_kernel`, a program per (chunk, head), parallel again: o = qg h_c + A_qk v + A_qb v2,
+and in the runner the time mix's end from o in fp32 (GroupNorm, bonus, gate: kernels.wkv_finish's
+math), so o never goes through memory.
 """
 
 from __future__ import annotations
@@ -38,15 +42,21 @@ from . import kernels as K
 
 CHUNK = 64  # tokens a chunk
 PREP_WARPS = 4  # the prep kernel's (8: 1.5B's 4,096-token prefill 9% slower)
-STAGES = 2  # chunks whose tiles are in flight at once (software pipelining depth)
+F16_INVERSE = True  # the prep kernel's inverse in fp16 operands on heads of 64 (see there)
 
 
 @triton.jit(do_not_specialize=["H"])
-def _state_out_kernel(QG, KG, BG, W, U, V, GI, AQK, AQB, O, S, slots, cu_seqlens, H,
-                      N: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+def _state_pass_kernel(KG, BG, W, U, V, GI, V2, HC, S, slots, cu_seqlens, H,
+                       N: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """One (block of values, head, row): the state through the row's chunks (module docstring).
+    Each chunk's tiles are asked for one chunk ahead, into registers, before the products that
+    need the previous chunk's: Triton's own pipelining waited for them at the top of the chunk."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    first = 0  # the row's first chunk among all rows' (rows before it: a few loads)
+    for j in tl.range(0, i_n):
+        first += tl.cdiv(tl.load(cu_seqlens + j + 1) - tl.load(cu_seqlens + j), BT).to(tl.int32)
     slot = tl.load(slots + i_n).to(tl.int64)
     o_k = tl.arange(0, N)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -54,45 +64,87 @@ def _state_out_kernel(QG, KG, BG, W, U, V, GI, AQK, AQB, O, S, slots, cu_seqlens
     # the slot's state is [values, keys]; h here is [keys, values]
     p_s = S + (slot * H + i_h) * (N * N) + o_v[None, :] * N + o_k[:, None]
     h = tl.load(p_s)
-    causal = o_t[:, None] >= o_t[None, :]
-    for c in tl.range(0, tl.cdiv(T, BT)):
-        t = c * BT + o_t
+    n_chunks = tl.cdiv(T, BT)
+    m_t = (o_t < T)[:, None]
+    tok = (bos + o_t)[:, None]
+    p_k = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
+    p_v = tok * (H * N) + i_h * N + o_v[None, :]  # [BT, BV]
+    kg_next = tl.load(KG + p_k, mask=m_t, other=0.0)
+    bg_next = tl.load(BG + p_k, mask=m_t, other=0.0)
+    w_next = tl.load(W + p_k, mask=m_t, other=0.0)
+    u_next = tl.load(U + p_v, mask=m_t, other=0.0)
+    v_next = tl.load(V + p_v, mask=m_t, other=0.0)
+    g_next = tl.load(GI + (bos + tl.minimum(BT, T) - 1) * (H * N) + i_h * N + o_k)
+    for c in tl.range(0, n_chunks, num_stages=1):
+        kg, bg, w, u, v, g_last, m_c, p_c = kg_next, bg_next, w_next, u_next, v_next, g_next, m_t, p_v
+        t = (c + 1) * BT + o_t
         m_t = (t < T)[:, None]
         tok = (bos + t)[:, None]
-        p_k = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
-        p_v = tok * (H * N) + i_h * N + o_v[None, :]  # [BT, BV]
-        p_a = tok * (H * BT) + i_h * BT + o_t[None, :]  # [BT, BT] of a [T, H, BT] tensor
-        qg = tl.load(QG + p_k, mask=m_t, other=0.0)
-        kg = tl.load(KG + p_k, mask=m_t, other=0.0)
-        bg = tl.load(BG + p_k, mask=m_t, other=0.0)
-        w = tl.load(W + p_k, mask=m_t, other=0.0)
-        u = tl.load(U + p_v, mask=m_t, other=0.0)
-        v = tl.load(V + p_v, mask=m_t, other=0.0)
-        a_qk = tl.where(causal, tl.load(AQK + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
-        a_qb = tl.where(causal, tl.load(AQB + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
-        last = bos + tl.minimum(c * BT + BT, T) - 1
-        g_last = tl.load(GI + last * (H * N) + i_h * N + o_k)
+        p_k = tok * (H * N) + i_h * N + o_k[None, :]
+        p_v = tok * (H * N) + i_h * N + o_v[None, :]
+        kg_next = tl.load(KG + p_k, mask=m_t, other=0.0)
+        bg_next = tl.load(BG + p_k, mask=m_t, other=0.0)
+        w_next = tl.load(W + p_k, mask=m_t, other=0.0)
+        u_next = tl.load(U + p_v, mask=m_t, other=0.0)
+        v_next = tl.load(V + p_v, mask=m_t, other=0.0)
+        last = bos + tl.minimum((c + 2) * BT, T) - 1
+        g_next = tl.load(GI + last * (H * N) + i_h * N + o_k, mask=c + 1 < n_chunks, other=0.0)
         hh = h.to(v.dtype)
-        v2 = tl.dot(w, hh) + u.to(tl.float32)
-        v2h = v2.to(v.dtype)
-        o = tl.dot(qg, hh) + tl.dot(a_qk, v) + tl.dot(a_qb, v2h)
-        tl.store(O + p_v, o.to(O.dtype.element_ty), mask=m_t)
-        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kg), v) + tl.dot(tl.trans(bg).to(tl.float32), v2)
+        tl.store(HC + ((first + c) * H + i_h).to(tl.int64) * (N * N) + o_k[:, None] * N + o_v[None, :], hh)
+        v2 = (tl.dot(w, hh) + u.to(tl.float32)).to(v.dtype)
+        tl.store(V2 + p_c, v2, mask=m_c)
+        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kg), v) + tl.dot(tl.trans(bg), v2)
     tl.store(p_s, h)
 
 
+@triton.jit(do_not_specialize=["H"])
+def _chunk_out_kernel(QG, V, V2, AQK, AQB, HC, O, G, ldg, bonus, prm, cu_seqlens, chunk_indices, H, C, gn_eps,
+                      N: tl.constexpr, BT: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr):
+    """One (chunk, head): o = qg h + A_qk v + A_qb v2 from the state the pass left at the chunk;
+    with FINISH, the time mix's end as kernels.wkv_finish (GroupNorm, bonus, gate) from o in fp32."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    K._after_predecessor(PDL)
+    i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
+    m_t = (o_t < n_valid)[:, None]
+    tok = (bos + c * BT + o_t)[:, None]
+    p = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
+    p_a = tok * (H * BT) + i_h * BT + o_t[None, :]  # [BT, BT] of a [T, H, BT] tensor
+    causal = o_t[:, None] >= o_t[None, :]
+    qg = tl.load(QG + p, mask=m_t, other=0.0)
+    v = tl.load(V + p, mask=m_t, other=0.0)
+    v2 = tl.load(V2 + p, mask=m_t, other=0.0)
+    a_qk = tl.where(causal, tl.load(AQK + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
+    a_qb = tl.where(causal, tl.load(AQB + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
+    hc = tl.load(HC + (i_c * H + i_h).to(tl.int64) * (N * N) + o_k[:, None] * N + o_k[None, :])
+    o = tl.dot(qg, hc) + tl.dot(a_qk, v) + tl.dot(a_qb, v2)
+    if FINISH:
+        col = i_h * N + o_k
+        mean = tl.sum(o, 1) / N
+        d = o - mean[:, None]
+        o = d * tl.rsqrt(tl.sum(d * d, 1) / N + gn_eps)[:, None] * tl.load(prm + 6 * C + col)[None, :]
+        o += tl.load(prm + 7 * C + col)[None, :]
+        o += tl.load(bonus + tok * H + i_h, mask=m_t, other=0.0) * v.to(tl.float32)
+        o *= tl.load(G + tok * ldg + col[None, :], mask=m_t, other=0.0).to(tl.float32)
+    tl.store(O + p, o.to(O.dtype.element_ty), mask=m_t)
+
+
 def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
-    """Values a program takes: the whole head when (rows × heads) programs fill the GPU, else
-    fewer, down to 16, so that one long row still spreads over the multiprocessors."""
-    bv = N
-    while bv > 16 and rows * heads * (N // bv) < n_sm:
+    """Values a pass program takes: at most 32 (a whole head of 64 in registers spills), fewer,
+    down to 16, while the programs would fill half the multiprocessors or less, so that one long
+    row still spreads over the GPU (H200, one layer of 4,096 tokens: 1.5B's 32 heads fastest at 16,
+    7.2B's 64 heads at 32; docs/gpu.md)."""
+    bv = min(N, 32)
+    while bv > 16 and rows * heads * (N // bv) <= n_sm // 2:
         bv //= 2
     return bv
 
 
 @triton.jit(do_not_specialize=["H"])
 def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_seqlens, chunk_indices, H,
-                       N: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+                       N: tl.constexpr, BT: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
     """One (chunk, head): what the pass takes (see the module's docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
@@ -127,16 +179,19 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. tf32 products
-    # (fp16 operands from here on were 13% faster on 32 heads of 64, but faulted on heads of 32)
+    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. On heads of
+    # 64 from here fp16 operands, as fla's WY stage (the entries of L, A_ak, the inverse and the
+    # decayed a stay within fp16's range); on smaller heads tf32 (docs/gpu.md: fp16 faulted there)
+    dt = tl.float16 if F16 else tl.float32
     inv = tl.where(row == col, 1.0, 0.0) + L
     for _ in tl.static_range(5):
-        L = tl.dot(L, L)
-        inv += tl.dot(inv, L)
-    w = tl.dot(inv, a * tl.exp2(off[None, :]))
+        L = tl.dot(L.to(dt), L.to(dt))
+        inv += tl.dot(inv.to(dt), L.to(dt))
+    inv = inv.to(dt)
+    w = tl.dot(inv, (a * tl.exp2(off[None, :])).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
-    v = tl.load(V + p, mask=m_t, other=0.0).to(tl.float32)
-    u = tl.dot(tl.dot(inv, A_ak), v)
+    v = tl.load(V + p, mask=m_t, other=0.0).to(dt)
+    u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v)
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
 
@@ -150,9 +205,11 @@ def chunk_indices(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                  chunk_indices: torch.Tensor, n_sm: int) -> torch.Tensor:
+                  chunk_indices: torch.Tensor, n_sm: int, finish: tuple | None = None) -> torch.Tensor:
     """The recurrence over ragged rows in the chunked form: o [T, C] in v's dtype; the rows' slots
-    of state [S, H, N(values), N(keys)] advance in place.
+    of state [S, H, N(values), N(keys)] advance in place. With finish = (g, bonus, prm, dtype),
+    the time mix's output instead: kernels.wkv_finish(o, v, g, bonus, prm, H, dtype), from o in
+    fp32 and without its round trip through memory.
 
     r, k, v, a, b [T, C] (k, v, a, b in one 16-bit dtype), w_log [T, C] fp32 (log decay);
     cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices [n_chunks, 2]
@@ -165,26 +222,32 @@ def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor
     A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=v.dtype) for _ in range(2))
     _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
                                                     cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
-                                                    num_warps=PREP_WARPS, **K._pdl())
+                                                    F16=F16_INVERSE and N >= 64, num_warps=PREP_WARPS, **K._pdl())
     o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
-                  n_sm)
+                  chunk_indices, n_sm, finish)
     return o.view(T, C)
 
 
 def state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state: torch.Tensor, slots: torch.Tensor,
-              cu_seqlens: torch.Tensor, n_sm: int) -> torch.Tensor:
-    """The pass over the chunks (see the module's docstring): o like v; state advances in place.
+              cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, n_sm: int,
+              finish: tuple | None = None) -> torch.Tensor:
+    """The pass over the chunks, then the outputs (see the module's docstring): o like v (or the
+    time mix's output, as chunk_prefill says); state advances in place.
 
     qg, kg, bg, w [.., T, H, N], u and v [.., T, H, N] in one 16-bit dtype, gi [.., T, H, N] fp32 (the
     decay's inclusive sums within chunks, in log2; read at each chunk's last token), A_qk, A_qb
     [.., T, H, CHUNK]: _chunk_prep_kernel's outputs.
     """
     H, N = state.shape[1], state.shape[2]
-    R = slots.shape[0]
-    o = torch.empty_like(v)
+    R, n_chunks = slots.shape[0], chunk_indices.shape[0]
+    v2 = torch.empty_like(v)
+    h_c = torch.empty(n_chunks, H, N, N, device=v.device, dtype=v.dtype)  # the state at each chunk's start
     bv = block_values(R, H, N, n_sm)
-    _state_out_kernel[(N // bv, H, R)](qg, kg, bg, w, u, v, gi, A_qk, A_qb, o, state, slots, cu_seqlens, H,
-                                       N=N, BT=CHUNK, BV=bv, num_warps=4, num_stages=STAGES)
+    _state_pass_kernel[(N // bv, H, R)](kg, bg, w, u, v, gi, v2, h_c, state, slots, cu_seqlens, H,
+                                        N=N, BT=CHUNK, BV=bv, num_warps=4)
+    g, bonus, prm, dtype = finish if finish is not None else (v, v, v, v.dtype)  # (unread without finish)
+    o = torch.empty(v.shape, device=v.device, dtype=dtype)
+    _chunk_out_kernel[(n_chunks, H)](qg, v, v2, A_qk, A_qb, h_c, o, g, g.stride(0), bonus, prm, cu_seqlens,
+                                     chunk_indices, H, H * N, K.GN_EPS, N=N, BT=CHUNK, FINISH=finish is not None,
+                                     num_warps=4, **K._pdl())
     return o
-
-

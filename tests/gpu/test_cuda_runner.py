@@ -170,6 +170,27 @@ def test_recurring_prefill_shapes_replay_a_graph(pair):
     runner.prefill_wkv = "recurrent"
 
 
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_recurring_new_prompts_replay_a_graph(pair):
+    """New prompts (rows from the zero state): their first tokens' gemv step and the rest in one
+    graph, replayed on the third call; the step computes logits only for a row that ends there."""
+    runner, ref = pair
+    runner.prefill_wkv = "chunked"
+    for lengths, wanted in (((150, 7), False), ((150, 1), True)):
+        for call, slots in enumerate(([0, 1], [2, 3], [4, 5])):
+            for slot in slots:
+                runner.reset(slot)
+                ref.reset(slot)
+            chunks = [tokens(n, ref.vocab_size, 90 + 10 * call + n) for n in lengths]
+            ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
+            assert rel_err(ours, theirs) <= TOLERANCE, f"{lengths} call {call}"
+            assert_states_close(runner, ref, slots)
+        rest = tuple(n - 1 for n in lengths if n > 1)
+        key = (((2, wanted),), rest, runner.prefill_wkv, runner.fp32_outputs_prefill)
+        assert key in runner._prefill_graphs
+    runner.prefill_wkv = "recurrent"
+
+
 def test_decode_logits_survive_the_next_step(pair):
     runner, _ = pair
     first = runner.decode([0, 1], [1, 2])

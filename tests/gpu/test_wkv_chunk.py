@@ -61,7 +61,7 @@ def test_state_out_against_its_definition(n_sm):
     A_qk, A_qb = half(T, H, BT, scale=0.1), half(T, H, BT, scale=0.1)
     state = torch.randn(6, H, N, N, device=DEVICE)
     before = state.clone()
-    o = W.state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state, slots, cu, n_sm)
+    o = W.state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state, slots, cu, chunk_index(cu), n_sm)
     ref_o, ref_state = reference(qg, kg, bg, w, u, v, gi, A_qk, A_qb, before, slots, cu)
     assert rel_err(o, ref_o) <= 3e-3
     assert rel_err(state[slots], ref_state[slots.cpu()]) <= 3e-3
@@ -161,3 +161,27 @@ def test_chunk_prefill_as_exact_as_fla(lengths):
     fla_o, fla_s = rel_err(theirs.view(T, H, N), ref_o), rel_err(s1.transpose(-1, -2), ref_state[slots.cpu()])
     print(f"errors against the recurrence: ours {err_o:.2e} / {err_s:.2e}, fla {fla_o:.2e} / {fla_s:.2e}")
     assert err_o <= max(1.25 * fla_o, 1e-4) and err_s <= max(1.25 * fla_s, 1e-4)
+
+
+def test_chunk_prefill_finishes_the_time_mix_as_wkv_finish():
+    """With finish, the output kernel ends the time mix itself (GroupNorm, bonus, gate from o in
+    fp32): the same as kernels.wkv_finish on the o it returns without, up to o's rounding."""
+    from replicas.model import kernels as K  # noqa: PLC0415
+
+    lengths, H, N = [64, 1, 130, 7], 2, 64
+    T, C = sum(lengths), 2 * 64
+    ins, w_log = rwkv7_inputs(T, H, N, seed=5)
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    slots = torch.tensor([3, 0, 5, 1], device=DEVICE)
+    state = 0.1 * torch.randn(6, H, N, N, device=DEVICE)
+    before = state.clone()
+    g = torch.rand(T, 2 * C, device=DEVICE).half()[:, C:]  # a strided view, as the runner's gate
+    bonus = torch.randn(T, H, device=DEVICE)
+    prm = torch.randn(8, C, device=DEVICE)
+    o = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=8)
+    expected = K.wkv_finish(o, ins[2], g, bonus, prm, H, torch.float32)
+    y = W.chunk_prefill(*ins, w_log, before, slots, cu, chunk_index(cu), n_sm=8,
+                        finish=(g, bonus, prm, torch.float32))
+    assert y.dtype == torch.float32 and y.shape == (T, C)
+    assert rel_err(y, expected) <= 3e-3
+    assert torch.equal(before, state)
