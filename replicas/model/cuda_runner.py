@@ -392,14 +392,12 @@ class CudaRunner(SlotStates):
 
     def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
         """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
-        [T, C] views, from two batched products over the four LoRAs padded to one width (three
-        launches and two activations where eight products of their own widths took ten: 1.14x
-        at 256 decode rows of the 1.5B shape, the same prefill rate)."""
+        [T, C] views, from two batched products over the four LoRAs padded to one width and one
+        launch for both activations (eight products of their own widths took ten launches; the
+        batched ones were 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate)."""
         C = self.C
         rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
-        hidden = torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t)  # from xv, xw, xa, xg
-        hidden[1].tanh_()
-        hidden[3].sigmoid_()
+        hidden = K.lora_act_(torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t))  # xv, xw, xa, xg
         return rkv, _kernel_order(self._bmm_out(hidden, lw.w2_t, fp32).unbind(0))
 
     def _ffn(self, lw: _Layer, kin: Tensor, fp32: bool) -> Tensor:
@@ -465,11 +463,12 @@ class CudaRunner(SlotStates):
         x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
         x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
         v_first = torch.empty(T, C, device=dev, dtype=act)
-        new_shift = torch.empty(R, C, device=dev, dtype=torch.float32)
+        # the rows' new shifts, every layer's, go to their slots at the end (two copies, not 2L)
+        new_att, new_ffn = (torch.empty(len(self.layers), R, C, device=dev, dtype=torch.float32) for _ in range(2))
         dx = None
         for i, lw in enumerate(self.layers):
             mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act, batch,
-                                               new_shift)
+                                               new_att[i])
             if exact:
                 proj = torch.empty(T, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, T, table=self.table_in, n_sm=self.n_sm)
@@ -488,13 +487,15 @@ class CudaRunner(SlotStates):
                 y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             dx = self._product(y, lw.wo, exact)
             kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act, batch,
-                                             new_shift)
+                                             new_ffn[i])
             if exact:
                 kf = torch.empty(T, self.F, device=dev, dtype=torch.float32)
                 K.gemv(kin, lw.wfk, kf, T, act=K.ACT_RELU2, n_sm=self.n_sm)
                 dx = self._product(kf, lw.wfv, exact)
             else:
                 dx = self._ffn(lw, kin, self.fp32_outputs_prefill)
+        st.att_shift.index_copy_(1, batch.slots, new_att)
+        st.ffn_shift.index_copy_(1, batch.slots, new_ffn)
         hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, act)
         if exact:
             logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
@@ -503,10 +504,11 @@ class CudaRunner(SlotStates):
 
     @staticmethod
     def _shift_mix(x, dx, x_next, ln, shift, mix, act, batch: _Batch, new_shift) -> tuple[Tensor, Tensor, Tensor]:
-        """x + dx into x_next, its LayerNorm + token shift + mixes; each row's last h becomes its
-        slot's shift. Returns (mixes, x_next, x): the residual's new buffer first, then the free one."""
+        """x + dx into x_next, its LayerNorm + token shift + mixes; each row's last h goes to
+        new_shift (its slot's shift after the call: the caller copies it there, as no later kernel
+        of the call reads this layer's shift). Returns (mixes, x_next, x): the residual's new buffer
+        first, then the free one."""
         out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, batch.tok_slot, act, batch.tok_row, new_shift)
-        shift.index_copy_(0, batch.slots, new_shift)
         return out, x_next, x
 
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:

@@ -527,6 +527,26 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@triton.jit
+def _lora_act_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_predecessor(PDL)
+    gate = tl.program_id(1)  # 0: the decay's hidden (tanh), 1: the gate's (sigmoid)
+    base = x + (1 + 2 * gate).to(tl.int64) * n
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(gate == 0, 2.0 * tl.sigmoid(2.0 * v) - 1.0, tl.sigmoid(v))  # tanh(v) = 2σ(2v) - 1
+    tl.store(base + offs, y.to(x.dtype.element_ty), mask=mask)
+
+
+def lora_act_(hidden: torch.Tensor) -> torch.Tensor:
+    """The LoRA hiddens [4, T, D] (v, w, a, g; contiguous) activated in place in one launch: tanh
+    on w's, sigmoid on g's (torch: two launches)."""
+    n = hidden[0].numel()
+    _lora_act_kernel[(triton.cdiv(n, 4096), 2)](hidden, n, BLOCK=4096, num_warps=8, **_pdl())
+    return hidden
+
+
 # --------------------------------------------------------------------------------------------
 # The time-mix core for one decode token per row, fused: one program per (row, head).
 #   torch (rwkv7.TimeMix.forward, after the projections):

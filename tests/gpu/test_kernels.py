@@ -124,3 +124,15 @@ def test_ln_shift_mix_prefill_ragged_rows(lengths, programs, monkeypatch):
     lasts = [first + n - 1 for first, n in zip(firsts, lengths, strict=True)]
     assert close(new_shift, h_ref[lasts].double(), 1e-5)
     assert close(out.view(T, G, C), out_ref.double(), 1e-5)
+
+
+def test_lora_act_activates_the_decay_and_gate_hiddens_only():
+    """lora_act_ on [v, w, a, g] hiddens: tanh on w's, sigmoid on g's, v's and a's untouched; a
+    length that is no multiple of the block."""
+    torch.manual_seed(0)
+    hidden = (3 * torch.randn(4, 37, 96, device=DEVICE)).half()
+    before = hidden.clone()
+    K.lora_act_(hidden)
+    assert torch.equal(hidden[0], before[0]) and torch.equal(hidden[2], before[2])
+    torch.testing.assert_close(hidden[1].float(), before[1].float().tanh(), atol=1e-3, rtol=0)
+    torch.testing.assert_close(hidden[3].float(), before[3].float().sigmoid(), atol=1e-3, rtol=0)
