@@ -16,11 +16,13 @@ pad a bucket run on the scratch slot. Per layer:
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
-recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, then a pass over
-each row's chunks) or a Triton recurrence over the rows (kernels.wkv_recurrent). No Python
-loop over tokens, no host synchronisation: inputs reach the GPU in one asynchronous copy per
-call. Row lengths seen before replay a CUDA graph of the call. A new row's first token (its slot
-reset) runs first as a gemv decode step, fp32 activations: see prefill.
+recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, a pass over each
+row's chunks, the outputs over chunks again, which end the time mix too) or a Triton recurrence
+over the rows (kernels.wkv_recurrent). No Python loop over tokens, no host synchronisation:
+inputs reach the GPU in one asynchronous copy per call (and a new prompt's logits are gathered by
+an index that goes up the same way). Row lengths seen before replay a CUDA graph of the call. A
+new row's first token (its slot reset) runs first as a gemv decode step, fp32 activations: see
+prefill.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
 the slots' states).
