@@ -187,6 +187,8 @@ class CudaRunner(SlotStates):
             [([rows[i] for i in group], [chunks[i][0] for i in group], any(len(chunks[i]) == 1 for i in group))
              for group in groups],
             ([rows[i] for i in rest], [chunks[i][1:] if i in firsts else chunks[i] for i in rest]) if rest else None)
+        if len(rest) == len(rows):  # every row went on in the large path: its logits, in order
+            return outs[-1]
         # each row's logits: the large path's if it went on there, else its step's
         source: dict[int, int] = {}  # row -> its logits' row among the parts' outputs, stacked
         parts, at = [], 0
@@ -195,11 +197,9 @@ class CudaRunner(SlotStates):
                 source.update((i, at + j) for j, i in enumerate(group))
                 parts.append(out)
                 at += out.shape[0]
-        order = [source[i] for i in range(len(rows))]
-        if order == list(range(len(parts[-1]))) and len(rest) == len(rows):
-            return parts[-1]  # every row went on in the large path, in order
         # the order goes up from pinned memory: an index from a list would wait for the GPU
-        return torch.cat(parts).index_select(0, self._to_device(torch.tensor(order)))
+        order = self._to_device(torch.tensor([source[i] for i in range(len(rows))]))
+        return torch.cat(parts).index_select(0, order)
 
     def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int], bool]],
                        call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor | None]:
