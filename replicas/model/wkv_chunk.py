@@ -97,6 +97,18 @@ def _state_pass_kernel(KG, BG, W, U, V, GI, V2, HC, S, slots, cu_seqlens, H,
     tl.store(p_s, h)
 
 
+@triton.jit
+def _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_c's tokens for head i_h: (token offsets in the chunk, key offsets, the tokens [BT, 1],
+    how many of them lie in the row, their [BT, N] offsets in a [T, H, N] tensor)."""
+    i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
+    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
+    tok = (bos + c * BT + o_t)[:, None]
+    return o_t, o_k, tok, n_valid, tok * (H * N) + i_h * N + o_k[None, :]
+
+
 @triton.jit(do_not_specialize=["H"])
 def _chunk_out_kernel(QG, V, V2, AQK, AQB, HC, O, G, ldg, bonus, prm, cu_seqlens, chunk_indices, H, C, gn_eps,
                       N: tl.constexpr, BT: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr):
@@ -104,13 +116,8 @@ def _chunk_out_kernel(QG, V, V2, AQK, AQB, HC, O, G, ldg, bonus, prm, cu_seqlens
     with FINISH, the time mix's end as kernels.wkv_finish (GroupNorm, bonus, gate) from o in fp32."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
-    i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
+    o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
     m_t = (o_t < n_valid)[:, None]
-    tok = (bos + c * BT + o_t)[:, None]
-    p = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
     p_a = tok * (H * BT) + i_h * BT + o_t[None, :]  # [BT, BT] of a [T, H, BT] tensor
     causal = o_t[:, None] >= o_t[None, :]
     qg = tl.load(QG + p, mask=m_t, other=0.0)
@@ -148,13 +155,8 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     """One (chunk, head): what the pass takes (see the module's docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
-    i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
+    o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
     m_t = (o_t < n_valid)[:, None]
-    tok = (bos + c * BT + o_t)[:, None]
-    p = tok * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor
     g = tl.load(WL + p, mask=m_t, other=0.0) * 1.4426950408889634  # log2 decays; 0 past the row's end
     gi = tl.cumsum(g, 0)  # through each token
     ge = gi - g  # before each token
