@@ -70,7 +70,7 @@ def _source(kernel, args, kwargs):
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     names = kernel.arg_names
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch attribute: the kernel's PDL constexpr says what it compiles
     bound = dict(zip(names, args, strict=False)) | kwargs
     constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}

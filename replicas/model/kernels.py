@@ -530,12 +530,11 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _lora_act_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_predecessor(PDL)
-    gate = tl.program_id(1)  # 0: the decay's hidden (tanh), 1: the gate's (sigmoid)
+    gate = tl.program_id(1)  # 0: the decay's hidden (ACT_TANH), 1: the gate's (ACT_SIGMOID)
     base = x + (1 + 2 * gate).to(tl.int64) * n
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    v = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.where(gate == 0, 2.0 * tl.sigmoid(2.0 * v) - 1.0, tl.sigmoid(v))  # tanh(v) = 2σ(2v) - 1
+    y = _activate(tl.load(base + offs, mask=mask, other=0.0).to(tl.float32), 1 + gate)
     tl.store(base + offs, y.to(x.dtype.element_ty), mask=mask)
 
 
