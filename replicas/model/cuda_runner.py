@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 
 LORA_ALIGN = 64  # LoRA widths are padded to this in the packed weights (gemv blocks never straddle)
 LORAS = ("v", "w", "a", "g")  # the mixed buffer's order of their inputs (columns 2C..6C: xv, xw, xa, xg)
+# The large path multiplies the LoRAs in batches (consecutive indices into LORAS), one batched
+# product a batch and stage, at the batch's widest padded width. Up to LORA_SPLIT_TOKENS tokens one
+# batch of all four; more, the gate's LoRA (the widest by far in the released shapes: 1.5B 256
+# against 64-128, 7.2B 512 against 128) apart. H200, r/k/v and the LoRAs a layer, CUDA graphs
+# (docs/gpu.md): 7.2B 4,096 tokens 740 -> 698 us, 1.5B equal; 64-256 decode rows 9-37% slower.
+LORA_ONE = ((0, 1, 2, 3),)
+LORA_SPLIT = ((0, 1, 2), (3,))
+LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at 4,096 and 16,384)
 AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
@@ -72,8 +80,9 @@ class _Layer:
     w_in: Tensor  # [3C + 4·Rmax, C]: receptance, key, value, then the LoRAs' first stages (zero rows pad)
     w2: Tensor  # [4C, Rmax]: the LoRAs' second stages, transposed (zero columns pad)
     w_rkv_t: Tensor  # [3, C, C] view of w_in: receptance, key, value, transposed (one batched product)
-    w1_t: Tensor  # [4, C, Rmax] view of w_in: the first stages, transposed
-    w2_t: Tensor  # [4, Rmax, C] view of w2
+    # per batching of the LoRAs (LORA_ONE, LORA_SPLIT), per batch: [n, C, width] and [n, width, C]
+    # views of the first stages in w_in and of w2 (transposed)
+    lora: dict[tuple, tuple[tuple[Tensor, Tensor], ...]]
     wo: Tensor  # [C, C]
     wfk: Tensor  # [F, C]
     wfv: Tensor  # [C, F]
@@ -394,13 +403,20 @@ class CudaRunner(SlotStates):
 
     def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
         """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
-        [T, C] views, from two batched products over the four LoRAs padded to one width and one
-        launch for both activations (eight products of their own widths took ten launches; the
-        batched ones were 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate)."""
+        [T, C] views, from two batched products a batch of LoRAs (LORA_ONE or LORA_SPLIT) and one
+        launch for both activations (eight products of their own widths took ten launches; one
+        batch of four was 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate)."""
         C = self.C
         rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
-        hidden = K.lora_act_(torch.bmm(mixed[:, 2 * C:].view(T, 4, C).transpose(0, 1), lw.w1_t))  # xv, xw, xa, xg
-        return rkv, _kernel_order(self._bmm_out(hidden, lw.w2_t, fp32).unbind(0))
+        # xv, xw, xa, xg: each batch's inputs are consecutive columns of mixed
+        batching = LORA_SPLIT if T > LORA_SPLIT_TOKENS else LORA_ONE
+        views = lw.lora[batching]
+        hidden = [torch.bmm(mixed[:, (2 + batch[0]) * C:(3 + batch[-1]) * C].view(T, len(batch), C).transpose(0, 1), w1)
+                  for batch, (w1, _) in zip(batching, views, strict=True)]  # per batch [n, T, width]
+        per_lora = [h for batch in hidden for h in batch.unbind(0)]  # in LORAS order
+        K.lora_act_(per_lora[LORAS.index("w")], per_lora[LORAS.index("g")])
+        outs = [o for h, (_, w2) in zip(hidden, views, strict=True) for o in self._bmm_out(h, w2, fp32).unbind(0)]
+        return rkv, _kernel_order(outs)
 
     def _ffn(self, lw: _Layer, kin: Tensor, fp32: bool) -> Tensor:
         k = K.relu2_(torch.mm(kin, lw.wfk.t()))
@@ -417,22 +433,25 @@ class CudaRunner(SlotStates):
     # -- prefill -------------------------------------------------------------------------------
 
     def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[Tensor, tuple]:
-        """The call's index tensors as one flat int64 host tensor, built with tensor ops (a Python
-        loop over 16k tokens costs milliseconds), and the layout that _batch_views splits it by."""
+        """The call's index tensors as one flat int64 host tensor, and the layout that _batch_views
+        splits it by. numpy: a Python loop over 16k tokens costs milliseconds, and each of torch's
+        small operations microseconds (this is host time before a call's first kernel)."""
         R = len(rows)
-        lengths = torch.tensor([len(c) for c in chunks], dtype=torch.int64)
-        cu = F.pad(lengths.cumsum(0), (1, 0))
+        lengths = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=R)
+        cu = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
         starts, lasts, T = cu[:-1], cu[1:] - 1, int(cu[-1])
-        slots = torch.tensor(rows, dtype=torch.int64)
-        tok_slot = torch.full((T,), -1, dtype=torch.int64).index_copy_(0, starts, slots)
-        tok_row = torch.full((T,), -1, dtype=torch.int64).index_copy_(0, lasts, torch.arange(R))
-        tokens = torch.from_numpy(np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks]))  # numpy: 5x faster
-        fields = [tokens, tok_slot, tok_row, lasts,
-                  slots, torch.stack([slots, starts, lengths], 1).view(-1), cu]
+        slots = np.asarray(rows, dtype=np.int64)
+        tok_slot = np.full(T, -1, dtype=np.int64)
+        tok_slot[starts] = slots
+        tok_row = np.full(T, -1, dtype=np.int64)
+        tok_row[lasts] = np.arange(R)
+        tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
+        fields = [tokens, tok_slot, tok_row, lasts, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
         if chunked:
-            fields.append(wkv_chunk.chunk_indices(lengths).view(-1))
-        return torch.cat(fields), (tuple(f.shape[0] for f in fields), R, chunked)
+            fields.append(wkv_chunk.chunk_indices(lengths).numpy().reshape(-1))
+        return torch.from_numpy(np.concatenate(fields)), (tuple(f.shape[0] for f in fields), R, chunked)
 
     def _pinned(self, host: Tensor) -> Tensor:
         # pinned: a true async copy (from pageable memory it may sync)
@@ -554,9 +573,21 @@ class CudaRunner(SlotStates):
                 prm=f32(torch.stack([att.w0, att.a0, att.v0, att.k_k, att.k_a, att.r_k.reshape(C),
                                      att.ln_x.weight, att.ln_x.bias])),
                 w_in=w_in, w2=w2, w_rkv_t=w_in[:3 * C].view(3, C, C).transpose(1, 2),
-                w1_t=w_in[3 * C:].view(4, rmax, C).transpose(1, 2), w2_t=w2.view(4, C, rmax).transpose(1, 2),
+                lora={batching: self._lora_views(w_in, w2, batching) for batching in (LORA_ONE, LORA_SPLIT)},
                 wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
             ))
+
+    def _lora_views(self, w_in: Tensor, w2: Tensor, batching: tuple) -> tuple[tuple[Tensor, Tensor], ...]:
+        """Per batch of LoRAs: the first stages [n, C, width] and second stages [n, width, C],
+        transposed views into the packed weights at the batch's widest padded width."""
+        C, rmax = self.C, self.rmax
+        first, second = w_in[3 * C:].view(4, rmax, C), w2.view(4, C, rmax)
+        views = []
+        for batch in batching:
+            width = max(self.padded[g] for g in batch)
+            views.append((first[batch[0]:batch[-1] + 1, :width].transpose(1, 2),
+                          second[batch[0]:batch[-1] + 1, :, :width].transpose(1, 2)))
+        return tuple(views)
 
     def _tables(self) -> None:
         """The gemv path's grouped products: r, k, v and the LoRAs' first stages (activated) into

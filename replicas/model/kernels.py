@@ -528,22 +528,25 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _lora_act_kernel(x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _lora_act_kernel(w_hidden, n_w, g_hidden, n_g, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_predecessor(PDL)
-    gate = tl.program_id(1)  # 0: the decay's hidden (ACT_TANH), 1: the gate's (ACT_SIGMOID)
-    base = x + (1 + 2 * gate).to(tl.int64) * n
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    y = _activate(tl.load(base + offs, mask=mask, other=0.0).to(tl.float32), 1 + gate)
-    tl.store(base + offs, y.to(x.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:  # the decay's hidden (ACT_TANH)
+        mask = offs < n_w
+        y = _activate(tl.load(w_hidden + offs, mask=mask, other=0.0).to(tl.float32), 1)
+        tl.store(w_hidden + offs, y.to(w_hidden.dtype.element_ty), mask=mask)
+    else:  # the gate's (ACT_SIGMOID)
+        mask = offs < n_g
+        y = _activate(tl.load(g_hidden + offs, mask=mask, other=0.0).to(tl.float32), 2)
+        tl.store(g_hidden + offs, y.to(g_hidden.dtype.element_ty), mask=mask)
 
 
-def lora_act_(hidden: torch.Tensor) -> torch.Tensor:
-    """The LoRA hiddens [4, T, D] (v, w, a, g; contiguous) activated in place in one launch: tanh
-    on w's, sigmoid on g's (torch: two launches)."""
-    n = hidden[0].numel()
-    _lora_act_kernel[(triton.cdiv(n, 4096), 2)](hidden, n, BLOCK=4096, num_warps=8, **_pdl())
-    return hidden
+def lora_act_(w_hidden: torch.Tensor, g_hidden: torch.Tensor) -> None:
+    """The LoRA hiddens activated in place in one launch: tanh on the decay's, sigmoid on the
+    gate's (each contiguous; torch: two launches)."""
+    n_w, n_g = w_hidden.numel(), g_hidden.numel()
+    _lora_act_kernel[(triton.cdiv(max(n_w, n_g), 4096), 2)](w_hidden, n_w, g_hidden, n_g, BLOCK=4096, num_warps=8,
+                                                            **_pdl())
 
 
 # --------------------------------------------------------------------------------------------

@@ -197,13 +197,14 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
 
-def chunk_indices(lengths: torch.Tensor) -> torch.Tensor:
-    """(row, chunk within the row) for every chunk of CHUNK tokens of rows of these lengths: int64
-    [n_chunks, 2] on the CPU (chunk_prefill takes it on the device)."""
-    n_chunks = (lengths + CHUNK - 1) // CHUNK
-    row_of = torch.from_numpy(np.repeat(np.arange(lengths.shape[0]), n_chunks.numpy()))  # torch's: ms on a CPU
-    first = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)[:-1]])
-    return torch.stack([row_of, torch.arange(row_of.shape[0]) - first[row_of]], 1)
+def chunk_indices(lengths) -> torch.Tensor:
+    """(row, chunk within the row) for every chunk of CHUNK tokens of rows of these lengths (any
+    1-D integer array): int64 [n_chunks, 2] on the CPU (chunk_prefill takes it on the device).
+    numpy: torch's small operations cost microseconds each on the host."""
+    n_chunks = (np.asarray(lengths, dtype=np.int64) + CHUNK - 1) // CHUNK
+    row_of = np.repeat(np.arange(n_chunks.shape[0]), n_chunks)
+    first = np.cumsum(n_chunks) - n_chunks
+    return torch.from_numpy(np.stack([row_of, np.arange(row_of.shape[0]) - first[row_of]], 1))
 
 
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -92,6 +92,24 @@ def test_prefill_ragged_rows(pair, wkv):
     runner.prefill_wkv = "recurrent"
 
 
+def test_long_prefill_takes_the_gate_lora_apart(monkeypatch):
+    """Over LORA_SPLIT_TOKENS tokens the large path multiplies the gate's LoRA (here 128 wide) apart
+    from the other three (64 wide), each batch at its own width: logits and states as the reference."""
+    pytest.importorskip("triton")
+    from replicas.model import cuda_runner  # noqa: PLC0415
+
+    cfg = ModelConfig(2, 256, 64, 1000, 1024, 64, 48, 32, 128)
+    model = rounded(init_random(RWKV7(cfg), seed=4), torch.float16).to(DEVICE).eval()
+    runner = cuda_runner.CudaRunner(model, max_slots=4, prefill_wkv="recurrent", auto_path=False, graphs=False)
+    ref = ModelRunner(model, max_slots=4)
+    monkeypatch.setattr(cuda_runner, "LORA_SPLIT_TOKENS", 0)
+    slots = [1, 2]
+    start_from_random_states(runner, ref, slots, seed=30)
+    chunks = [tokens(150, cfg.vocab_size, 31), tokens(9, cfg.vocab_size, 32)]
+    assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
+    assert_states_close(runner, ref, slots)
+
+
 def test_fresh_rows_start_on_the_fp32_path(pair):
     """A row from the zero state (reset) has its first token computed apart, with fp32 activations:
     there the time mix's output per head is GroupNorm((r·k) v), which turns sign where r·k is near

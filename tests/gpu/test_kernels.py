@@ -127,12 +127,13 @@ def test_ln_shift_mix_prefill_ragged_rows(lengths, programs, monkeypatch):
 
 
 def test_lora_act_activates_the_decay_and_gate_hiddens_only():
-    """lora_act_ on [v, w, a, g] hiddens: tanh on w's, sigmoid on g's, v's and a's untouched; a
-    length that is no multiple of the block."""
+    """lora_act_ on the decay's and the gate's hiddens, of different widths: tanh on the first,
+    sigmoid on the second, their neighbours untouched; lengths that are no multiple of the block."""
     torch.manual_seed(0)
-    hidden = (3 * torch.randn(4, 37, 96, device=DEVICE)).half()
-    before = hidden.clone()
-    K.lora_act_(hidden)
-    assert torch.equal(hidden[0], before[0]) and torch.equal(hidden[2], before[2])
-    torch.testing.assert_close(hidden[1].float(), before[1].float().tanh(), atol=1e-3, rtol=0)
-    torch.testing.assert_close(hidden[3].float(), before[3].float().sigmoid(), atol=1e-3, rtol=0)
+    vwa = (3 * torch.randn(3, 37, 96, device=DEVICE)).half()
+    gate = (3 * torch.randn(1, 37, 160, device=DEVICE)).half()
+    before_vwa, before_gate = vwa.clone(), gate.clone()
+    K.lora_act_(vwa[1], gate[0])
+    assert torch.equal(vwa[0], before_vwa[0]) and torch.equal(vwa[2], before_vwa[2])
+    torch.testing.assert_close(vwa[1].float(), before_vwa[1].float().tanh(), atol=1e-3, rtol=0)
+    torch.testing.assert_close(gate[0].float(), before_gate[0].float().sigmoid(), atol=1e-3, rtol=0)
