@@ -202,9 +202,13 @@ def _ln_shift_mix_rows_kernel(
 # take the rows kernel, which reads the mixes once for a run of tokens: on an H200 a program a token
 # was 5% slower at 256 decode rows and 8% in a 4,096-token prefill (docs/gpu.md).
 TOKEN_PROGRAMS_MAX = 64
-ROWS_TOKENS = 8  # at most this many tokens per program of the rows kernel,
+ROWS_TOKENS = 4  # at most this many tokens per program of the rows kernel,
 ROWS_PROGRAMS = 512  # fewer (a power of 2) when there would be fewer programs than about this
-ROWS_WARPS = 8  # at most (no more threads than columns)
+# Its warps: enough that a thread holds at most this many elements of the mixes' [BLOCK_G, BLOCK_C]
+# tile, at least 4. H200, the kernel alone at 4,095 tokens (12-01k): 1.5B's six mixes 71.7 -> 54.6 us
+# (8 warps and 8 tokens a program before), its one mix 35.6 -> 33.3; 7.2B's one mix 74.0 -> 61.8, its
+# six equal (116-118 us at 8 warps; 4 warps spill there: 243-263 us).
+ROWS_TILE_PER_THREAD = 128
 
 
 def ln_shift_mix(
@@ -229,13 +233,14 @@ def ln_shift_mix(
     # before its replica's load
     warps = max(4, min(16, _pow2(C) // 64))
     if T > TOKEN_PROGRAMS_MAX:
-        # rounded up: a new prompt's 4,095 tokens after its first (cuda_runner.prefill) run 8 a program
+        # rounded up: a new prompt's 4,095 tokens after its first (cuda_runner.prefill) run 4 a program
         tok = 1 << max(0, min(ROWS_TOKENS, -(-T // ROWS_PROGRAMS)).bit_length() - 1)
         _ln_shift_mix_rows_kernel[(triton.cdiv(T, tok),)](
             x_in, dx if dx is not None else x_in, x_out, ln_w, ln_b, shift, tok_slot,
             tok_row if prefill else tok_slot, new_shift if prefill else shift, mix, out, T, C, LN_EPS,
             HAS_DX=dx is not None, STORE_X=store_x, PREFILL=prefill, NMIX=G, BLOCK_G=_pow2(G),
-            BLOCK_C=_pow2(C), TOK=tok, num_warps=min(warps, ROWS_WARPS), **_pdl(),
+            BLOCK_C=_pow2(C), TOK=tok, num_warps=min(warps, max(4, _pow2(G) * _pow2(C) // (32 * ROWS_TILE_PER_THREAD))),
+            **_pdl(),
         )
         return out
     # few tokens: their columns spread over several programs (each reads the whole row for the

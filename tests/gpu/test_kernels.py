@@ -79,8 +79,8 @@ def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):
     return x, h, h[:, None, :] + (prev - h)[:, None, :] * mix[None]
 
 
-# rows kernel: few programs for these token counts make it take runs of 8 tokens (the last part-filled)
-RUNS = pytest.mark.parametrize("programs", [512, 16], ids=["token-programs", "8-token-runs"])
+# rows kernel: few programs for these token counts make it take runs of ROWS_TOKENS (the last part-filled)
+RUNS = pytest.mark.parametrize("programs", [512, 16], ids=["token-programs", "token-runs"])
 
 
 @RUNS
