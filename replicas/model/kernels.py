@@ -576,41 +576,15 @@ def _time_mix_params(prm, C, c, mask):
 def _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, AXIS: tl.constexpr, FIRST: tl.constexpr):
     """What the recurrence takes from a token's projections, a head's channels along AXIS: (log
     decay, k', v', a = -κ̂, b = κ̂·gate, the bonus Σ r·k'·r_k as a size-1 axis). On the first layer
-    v is v_first itself (vf unused). The pieces below are this math in parts, for a kernel that
-    computes each where it needs it (wkv_chunk's prep kernel: registers)."""
-    k, kk, gate = _key_gate(k, al, a0, k_k, k_a, AXIS)
-    if not FIRST:
-        v = _value_mix(v, vl, vf, v0)
-    return _log_decay(wl, w0), k, v, -kk, kk * gate, _bonus(r, k, r_k, AXIS)
-
-
-@triton.jit
-def _log_decay(wl, w0):
-    return -0.606531 * tl.sigmoid(w0 + wl)
-
-
-@triton.jit
-def _key_gate(k, al, a0, k_k, k_a, AXIS: tl.constexpr):
-    """(k', κ̂, the in-context learning rate's gate) from k and its LoRA output al."""
+    v is v_first itself (vf unused)."""
+    w_log = -0.606531 * tl.sigmoid(w0 + wl)
     gate = tl.sigmoid(a0 + al)
-    return k * (1.0 + (gate - 1.0) * k_a), _kappa(k, k_k, AXIS), gate
-
-
-@triton.jit
-def _kappa(k, k_k, AXIS: tl.constexpr):
-    """κ̂: k·k_k normalised over a head's channels."""
     kk = k * k_k
-    return kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12)
-
-
-@triton.jit
-def _value_mix(v, vl, vf, v0):
-    return v + (vf - v) * tl.sigmoid(v0 + vl)
-
-
-@triton.jit
-def _bonus(r, k, r_k, AXIS: tl.constexpr):
-    return tl.sum(r * k * r_k, AXIS, keep_dims=True)
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12)
+    k = k * (1.0 + (gate - 1.0) * k_a)
+    if not FIRST:
+        v = v + (vf - v) * tl.sigmoid(v0 + vl)
+    return w_log, k, v, -kk, kk * gate, tl.sum(r * k * r_k, AXIS, keep_dims=True)
 
 
 @triton.jit(do_not_specialize=["H"])

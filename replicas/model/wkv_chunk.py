@@ -149,30 +149,15 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
     return bv
 
 
-@triton.jit
-def _load_f32(ptr, p, mask):
-    return tl.load(ptr + p, mask=mask, other=0.0).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["H"])
-def _chunk_prep_kernel(Q, Kk, A, B, V, WL, AL, VL, VF, prm, VP, BONUS, QG, KG, BG, W, U, GI, AQK, AQB,
-                       cu_seqlens, chunk_indices, H, N: tl.constexpr, BT: tl.constexpr, F16: tl.constexpr,
-                       PREPARE: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
-    """One (chunk, head): what the pass takes (see the module's docstring). With PREPARE, from the
-    projections (Q, Kk, V: r, k, v; WL, AL, VL: the LoRA outputs), kernels.wkv_prepare's math on the
-    way: the log decay, k', a, b and the bonus (stored to BONUS), v' (stored to VP), each where it
-    is used; else Kk, A, B, V, WL hold those already (and AL … BONUS are unused)."""
+def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_seqlens, chunk_indices, H,
+                       N: tl.constexpr, BT: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
+    """One (chunk, head): what the pass takes (see the module's docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
     o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
     m_t = (o_t < n_valid)[:, None]
-    if PREPARE:  # each piece of kernels.wkv_prepare's math where it is needed (registers: no spills)
-        col = i_h * N + o_k
-        w0, a0, v0, k_k, k_a, r_k = K._time_mix_params(prm, H * N, col, col < H * N)
-        w0, a0, v0, k_k, k_a, r_k = w0[None, :], a0[None, :], v0[None, :], k_k[None, :], k_a[None, :], r_k[None, :]
-        g = tl.where(m_t, K._log_decay(_load_f32(WL, p, m_t), w0), 0.0) * 1.4426950408889634
-    else:
-        g = tl.load(WL + p, mask=m_t, other=0.0) * 1.4426950408889634  # log2 decays; 0 past the row's end
+    g = tl.load(WL + p, mask=m_t, other=0.0) * 1.4426950408889634  # log2 decays; 0 past the row's end
     gi = tl.cumsum(g, 0)  # through each token
     ge = gi - g  # before each token
     g_last = tl.sum(g, 0)
@@ -180,20 +165,12 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, AL, VL, VF, prm, VP, BONUS, QG, KG, B
     tl.store(GI + p, gi, mask=(o_t == n_valid - 1)[:, None])  # the pass reads the last token's only
     to_end = tl.exp2(g_last[None, :] - gi)
     from_mid = tl.exp2(off[None, :] - gi)
-    if PREPARE:
-        k, kk, gate = K._key_gate(_load_f32(Kk, p, m_t), _load_f32(AL, p, m_t), a0, k_k, k_a, 1)
-        b = kk * gate
-    else:
-        k = tl.load(Kk + p, mask=m_t, other=0.0).to(tl.float32)
-        b = tl.load(B + p, mask=m_t, other=0.0).to(tl.float32)
+    k = tl.load(Kk + p, mask=m_t, other=0.0).to(tl.float32)
+    b = tl.load(B + p, mask=m_t, other=0.0).to(tl.float32)
     tl.store(KG + p, (k * to_end).to(KG.dtype.element_ty), mask=m_t)
     tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
     k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
-    if PREPARE:
-        q = _load_f32(Q, p, m_t)
-        tl.store(BONUS + tok * H + i_h, K._bonus(q, k, r_k, 1), mask=m_t)
-    else:
-        q = tl.load(Q + p, mask=m_t, other=0.0).to(tl.float32)
+    q = tl.load(Q + p, mask=m_t, other=0.0).to(tl.float32)
     tl.store(QG + p, (q * tl.exp2(gi)).to(QG.dtype.element_ty), mask=m_t)
     q = q * tl.exp2(gi - off[None, :])
     row, col = o_t[:, None], o_t[None, :]
@@ -201,10 +178,7 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, AL, VL, VF, prm, VP, BONUS, QG, KG, B
     # fp32 operands, tf32 products: the gated factors may leave fp16's range, their products do not
     tl.store(AQK + p_a, tl.where(row >= col, tl.dot(q, k_t), 0.0).to(AQK.dtype.element_ty), mask=m_t)
     tl.store(AQB + p_a, tl.where(row >= col, tl.dot(q, b_t), 0.0).to(AQB.dtype.element_ty), mask=m_t)
-    if PREPARE:  # a = -κ̂, from k again (keeping κ̂ through the products above spilled)
-        a = -K._kappa(_load_f32(Kk, p, m_t), k_k, 1) * tl.exp2(ge - off[None, :])
-    else:
-        a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
+    a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
     # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. On heads of
@@ -218,17 +192,7 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, AL, VL, VF, prm, VP, BONUS, QG, KG, B
     inv = inv.to(dt)
     w = tl.dot(inv, (a * tl.exp2(off[None, :])).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
-    if PREPARE:
-        v = _load_f32(V, p, m_t)
-        if FIRST:  # the first layer's v is every layer's v_first
-            tl.store(VF + p, v.to(VF.dtype.element_ty), mask=m_t)
-        else:
-            v = K._value_mix(v, _load_f32(VL, p, m_t), _load_f32(VF, p, m_t), v0)
-        v = v.to(VP.dtype.element_ty)  # as the pass and the outputs will read it
-        tl.store(VP + p, v, mask=m_t)
-        v = v.to(dt)
-    else:
-        v = tl.load(V + p, mask=m_t, other=0.0).to(dt)
+    v = tl.load(V + p, mask=m_t, other=0.0).to(dt)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v)
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
@@ -254,56 +218,15 @@ def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor
     cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices [n_chunks, 2]
     (row, chunk within the row) for every chunk of CHUNK tokens.
     """
-    prepared = _prep(r, k, v, w_log, (a, b), None, state, cu_seqlens, chunk_indices, v.dtype)
-    return _state_out_flat(prepared, state, slots, cu_seqlens, chunk_indices, n_sm, finish)
-
-
-def chunk_time_mix(r, k, v, wl, al, vl, v_first, prm, first: bool, state: torch.Tensor, slots: torch.Tensor,
-                   cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, n_sm: int, g: torch.Tensor,
-                   kv_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
-    """The time mix from its projections to its output, the recurrence in the chunked form:
-    kernels.wkv_prepare's math inside the prep kernel (its outputs never go through memory but v'
-    and the bonus), then chunk_prefill's with finish. r, k, v [T, C] (one row stride), wl, al, vl
-    [T, C] the LoRA outputs (another), g the gate's (another), v_first [T, C] (written on the first
-    layer), prm the layer's packed time-mix parameters; kv_dtype the 16 bits of the products."""
-    if any(t.stride(0) != t.shape[1] or t.stride(1) != 1 for t in (r, k, v, wl, al, vl, v_first)):
-        raise ValueError("chunk_time_mix takes contiguous [T, C] inputs")
-    T, C = v.shape
-    H = state.shape[1]
-    vp = torch.empty(T, C, device=v.device, dtype=kv_dtype)
-    bonus = torch.empty(T, H, device=v.device, dtype=torch.float32)
-    prepared = _prep(r, k, v, wl, (al, vl, v_first, prm, vp, bonus), first, state, cu_seqlens, chunk_indices,
-                     kv_dtype)
-    return _state_out_flat(prepared, state, slots, cu_seqlens, chunk_indices, n_sm, (g, bonus, prm, out_dtype))
-
-
-def _prep(r, k, v, wl, rest: tuple, first: bool | None, state, cu_seqlens, chunk_indices, dtype) -> tuple:
-    """The prep kernel's launch: its outputs (qg, kg, bg, w, u, v', gi, A_qk, A_qb). first None:
-    rest = (a, b) and k, v, wl are prepared already; else rest = (al, vl, v_first, prm, v' out,
-    bonus out), and the kernel prepares them (chunk_time_mix)."""
     T, C = v.shape
     H, N = state.shape[1], state.shape[2]
-    qg, kg, bg, w, u = (torch.empty(T, C, device=v.device, dtype=dtype) for _ in range(5))
+    qg, kg, bg, w, u = (torch.empty_like(v) for _ in range(5))
     gi = torch.empty(T, C, device=v.device, dtype=torch.float32)  # written at each chunk's last token
-    A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=dtype) for _ in range(2))
-    if first is None:
-        a, b = rest
-        ab, lora, vp = (a, b), (v, v, v, v, v, v), v  # (the preparing arguments unread)
-    else:
-        al, vl, v_first, prm, vp, bonus = rest
-        ab, lora = (v, v), (al, vl, v_first, prm, vp, bonus)
-    _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, *ab, v, wl, *lora, qg, kg, bg, w, u, gi, A_qk, A_qb,
+    A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=v.dtype) for _ in range(2))
+    _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
                                                     cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
-                                                    F16=F16_INVERSE and N >= 64, PREPARE=first is not None,
-                                                    FIRST=bool(first), num_warps=PREP_WARPS, **K._pdl())
-    return qg, kg, bg, w, u, vp, gi, A_qk, A_qb
-
-
-def _state_out_flat(prepared: tuple, state, slots, cu_seqlens, chunk_indices, n_sm, finish) -> torch.Tensor:
-    qg, kg, bg, w, u, vp, gi, A_qk, A_qb = prepared
-    T, C = vp.shape
-    H, N = state.shape[1], state.shape[2]
-    o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, vp, gi)), A_qk, A_qb, state, slots, cu_seqlens,
+                                                    F16=F16_INVERSE and N >= 64, num_warps=PREP_WARPS, **K._pdl())
+    o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
                   chunk_indices, n_sm, finish)
     return o.view(T, C)
 

@@ -185,36 +185,3 @@ def test_chunk_prefill_finishes_the_time_mix_as_wkv_finish():
     assert y.dtype == torch.float32 and y.shape == (T, C)
     assert rel_err(y, expected) <= 3e-3
     assert torch.equal(before, state)
-
-
-@pytest.mark.parametrize("first", [True, False], ids=["first-layer", "later-layer"])
-def test_chunk_time_mix_prepares_as_wkv_prepare(first):
-    """chunk_time_mix computes wkv_prepare's math inside the prep kernel: the same output, state,
-    and v_first (written on the first layer) as wkv_prepare then chunk_prefill with finish, up to
-    the rounding of k', a and b (16 bits there, fp32 here)."""
-    from replicas.model import kernels as K  # noqa: PLC0415
-
-    torch.manual_seed(6)
-    lengths, H, N = [64, 1, 130, 7], 2, 64
-    T, C = sum(lengths), H * N
-    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
-    slots = torch.tensor([3, 0, 5, 1], device=DEVICE)
-    r, k, v, wl, al, vl = (torch.randn(T, C, device=DEVICE).half() for _ in range(6))
-    g = torch.rand(T, 2 * C, device=DEVICE).half()[:, C:]  # a strided view, as the runner's gate
-    prm = 0.5 * torch.randn(8, C, device=DEVICE)
-    prm[3] = 1.0 + 0.1 * prm[3]  # k_k near 1, as trained models have it
-    state = 0.1 * torch.randn(6, H, N, N, device=DEVICE)
-    vf_ref, vf_ours = (torch.randn(T, C, device=DEVICE).half() for _ in range(2))
-    if not first:
-        vf_ours.copy_(vf_ref)
-    theirs_state, ours_state = state.clone(), state.clone()
-    w_log, k2, v2, a, b, bonus = K.wkv_prepare(r, k, v, wl, al, vl, vf_ref, prm, H, first, torch.float16)
-    expected = W.chunk_prefill(r, k2, v2, a, b, w_log, theirs_state, slots, cu, chunk_index(cu), n_sm=8,
-                               finish=(g, bonus, prm, torch.float32))
-    y = W.chunk_time_mix(r, k, v, wl, al, vl, vf_ours, prm, first, ours_state, slots, cu, chunk_index(cu), 8, g,
-                         torch.float16, torch.float32)
-    assert y.dtype == torch.float32 and y.shape == (T, C)
-    assert rel_err(y, expected) <= 3e-3
-    assert rel_err(ours_state[slots], theirs_state[slots]) <= 3e-3
-    assert torch.equal(ours_state[2], state[2]) and torch.equal(ours_state[4], state[4])
-    assert torch.equal(vf_ours, vf_ref)
