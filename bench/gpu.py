@@ -8,7 +8,8 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     on the same weights: ‖Δ‖/‖ref‖ ≤ 1e-2;
   * decode tokens/s at batch 1, 8, 64, 256 (runner.decode: host copy + graph replay + logits copy);
   * prefill tokens/s at 1 × 4,096 and 16 × 1,024 (three calls timed; under "Other paths" also
-    twelve back to back, where the first call's host work and graph launch weigh less);
+    twelve back to back: the first call's host work weighs less there, but the GPU reaches its
+    power limit and lowers its clock, so on an H200 twelve read 1-3% under three at 1 × 4,096);
   * the `rwkv` package (0.8.32, RWKV_CUDA_ON=1, "cuda fp16") on the same shapes, in a child
     process (it changes global torch flags): decode at batch 1 and prefill of one row;
   * limits: copy bandwidth and bf16 matrix rate measured here; a step's limit is
@@ -391,8 +392,8 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["explore"][f"{name}|{case} products written in fp32"] = fp32_out
             going_on = time_prefill(runner, rows, length, fresh=False)
             results["explore"][f"{name}|{case} going on from a state"] = going_on
-            # the table's timing (three calls) carries the first call's host work and graph launch,
-            # which back-to-back calls hide behind the GPU's work: both are shown
+            # the table's timing (three calls) carries the first call's host work and graph launch;
+            # over more calls the GPU's power limit lowers its clock instead: both are shown
             steady = time_prefill(runner, rows, length, reps=STEADY_CALLS)
             results["explore"][f"{name}|{case} {STEADY_CALLS} calls back to back"] = steady
             say(f"{name}: {case}: {rate:,.0f} tokens/s (graph); {eager:,.0f} without; {fp32_out:,.0f} fp32 outputs; "
