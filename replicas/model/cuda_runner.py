@@ -62,6 +62,9 @@ LORA_ONE = ((0, 1, 2, 3),)
 LORA_SPLIT = ((0, 1, 2), (3,))
 LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at 4,096 and 16,384)
 AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
+# Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
+# kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
+SECOND_IN_CORE_ROWS = 2
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 16  # prefill shapes (row lengths) kept as CUDA graphs, least recently used dropped
@@ -80,6 +83,7 @@ class _Layer:
     w_in: Tensor  # [3C + 4·Rmax, C]: receptance, key, value, then the LoRAs' first stages (zero rows pad)
     w2: Tensor  # [4C, Rmax]: the LoRAs' second stages, transposed (zero columns pad)
     w_rkv_t: Tensor  # [3, C, C] view of w_in: receptance, key, value, transposed (one batched product)
+    second: tuple[Tensor, ...]  # [C, padded width] views of w2, the kernels' order (w, a, v, g)
     # per batching of the LoRAs (LORA_ONE, LORA_SPLIT), per batch: [n, C, width] and [n, width, C]
     # views of the first stages in w_in and of w2 (transposed)
     lora: dict[tuple, tuple[tuple[Tensor, Tensor], ...]]
@@ -143,6 +147,7 @@ class CudaRunner(SlotStates):
         self.rmax = max(self.padded)
         self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
+        self.second_in_core = all(p & (p - 1) == 0 for p in self.padded)  # (the kernel's tiles are powers of 2)
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
@@ -374,10 +379,16 @@ class CudaRunner(SlotStates):
                 proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, B, table=self.table_in, n_sm=self.n_sm)
                 rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
-                out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
-                K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
-                lora = _kernel_order(out.view(B, 4, C).unbind(1))
-                y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
+                if self.second_in_core and B <= SECOND_IN_CORE_ROWS:
+                    hidden = _kernel_order([proj[:, col:col + width]
+                                            for col, width in zip(self.hidden_cols, self.padded, strict=True)])
+                    y = K.wkv_decode(rkv, hidden, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32,
+                                     second=lw.second)
+                else:
+                    out = torch.empty(B, 4 * C, device=dev, dtype=torch.float32)
+                    K.gemv(proj, lw.w2, out, B, table=self.table_lora2, n_sm=self.n_sm)
+                    lora = _kernel_order(out.view(B, 4, C).unbind(1))
+                    y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
                 kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
@@ -573,6 +584,7 @@ class CudaRunner(SlotStates):
                 prm=f32(torch.stack([att.w0, att.a0, att.v0, att.k_k, att.k_a, att.r_k.reshape(C),
                                      att.ln_x.weight, att.ln_x.bias])),
                 w_in=w_in, w2=w2, w_rkv_t=w_in[:3 * C].view(3, C, C).transpose(1, 2),
+                second=_kernel_order([w2[g * C:(g + 1) * C, :p] for g, p in enumerate(self.padded)]),
                 lora={batching: self._lora_views(w_in, w2, batching) for batching in (LORA_ONE, LORA_SPLIT)},
                 wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
             ))

@@ -561,6 +561,8 @@ def lora_act_(w_hidden: torch.Tensor, g_hidden: torch.Tensor) -> None:
 #     v = v + (v_first - v)·σ(v0 + vl)              (layer 0: v_first = v)
 #     S = S·diag(w) + (S·(-kk))(kk·a)ᵀ + v kᵀ;  o = S·r        (the slot's state, in place)
 #     y = (GroupNorm_head(o) + Σ(r·k·r_k)·v) · g
+#   With SECOND, the LoRAs' second stages too (wl, al, vl, g = hidden · W2ᵀ, this head's rows of
+#   each W2 read before the PDL wait): at one or two rows, one kernel fewer in the chain.
 # --------------------------------------------------------------------------------------------
 
 
@@ -587,10 +589,23 @@ def _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, AXIS: t
     return w_log, k, v, -kk, kk * gate, tl.sum(r * k * r_k, AXIS, keep_dims=True)
 
 
+@triton.jit
+def _second_rows(W2, ld2, c, R: tl.constexpr):
+    """Rows c of one LoRA's second stage [C, ≥R] (fp16): [len(c), R]."""
+    return tl.load(W2 + c[:, None] * ld2 + tl.arange(0, R)[None, :])
+
+
+@triton.jit
+def _lora_out(w2, hidden, R: tl.constexpr):
+    """hidden [R] (fp32, activated) · w2ᵀ: [len(c)] in fp32."""
+    return tl.sum(w2.to(tl.float32) * tl.load(hidden + tl.arange(0, R)).to(tl.float32)[None, :], axis=1)
+
+
 @triton.jit(do_not_specialize=["H"])
 def _wkv_decode_kernel(
-    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, N: tl.constexpr, FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    R_, K_, V_, ldp, WL, AL, VL, G_, ldl, VF, prm, S, idx, Y, H, C, gn_eps, W2W, W2A, W2V, W2G, ld2,
+    N: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr, RW: tl.constexpr, RA: tl.constexpr,
+    RV: tl.constexpr, RG: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -603,14 +618,21 @@ def _wkv_decode_kernel(
     st = tl.load(s_ptrs)
     w0, a0, v0, k_k, k_a, r_k = _time_mix_params(prm, C, c, c < C)
     gn_w, gn_b = tl.load(prm + 6 * C + c), tl.load(prm + 7 * C + c)
+    if SECOND:
+        w2w, w2a = _second_rows(W2W, ld2, c, RW), _second_rows(W2A, ld2, c, RA)
+        w2v, w2g = _second_rows(W2V, ld2, c, RV), _second_rows(W2G, ld2, c, RG)
     _after_predecessor(PDL)
     r = tl.load(R_ + b * ldp + c).to(tl.float32)
     k = tl.load(K_ + b * ldp + c).to(tl.float32)
     v = tl.load(V_ + b * ldp + c).to(tl.float32)
-    wl = tl.load(WL + b * ldl + c).to(tl.float32)
-    al = tl.load(AL + b * ldl + c).to(tl.float32)
-    vl = tl.load(VL + b * ldl + c).to(tl.float32)
-    g = tl.load(G_ + b * ldl + c).to(tl.float32)
+    if SECOND:  # WL.. are the hiddens [B, ≥R]
+        wl, al = _lora_out(w2w, WL + b * ldl, RW), _lora_out(w2a, AL + b * ldl, RA)
+        vl, g = _lora_out(w2v, VL + b * ldl, RV), _lora_out(w2g, G_ + b * ldl, RG)
+    else:
+        wl = tl.load(WL + b * ldl + c).to(tl.float32)
+        al = tl.load(AL + b * ldl + c).to(tl.float32)
+        vl = tl.load(VL + b * ldl + c).to(tl.float32)
+        g = tl.load(G_ + b * ldl + c).to(tl.float32)
     if FIRST:
         tl.store(VF + b * C + c, v.to(VF.dtype.element_ty))
         vf = v
@@ -763,21 +785,33 @@ def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor,
 
 
 WKV_DECODE_WARPS = 2  # 3% faster than 4 at 256 rows on an H200 (bench/gpu_tune.py), 8 is slower
+SECOND_BYTES_PER_WARP = 8 << 10  # with the LoRAs' second stages: warps so that a thread holds ~256 bytes of them
 
 
 def wkv_decode(
     rkv: tuple[torch.Tensor, ...], lora: tuple[torch.Tensor, ...], v_first: torch.Tensor, prm: torch.Tensor,
     state: torch.Tensor, idx: torch.Tensor, H: int, first: bool, out_dtype: torch.dtype,
+    second: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """One token per row: y [B, C]; the rows' slots of state [S, H, N, N] advance in place.
 
-    rkv: r, k, v [B, C] with one row stride; lora: wl, al, vl, g [B, C] with another.
+    rkv: r, k, v [B, C] with one row stride; lora: wl, al, vl, g [B, C] with another. With second
+    (the LoRAs' second stages [C, R] fp16 in the same order, one row stride, each R a power of 2):
+    lora are instead their hiddens [B, R] (activated), and this kernel multiplies them.
     """
     B = idx.shape[0]
     C = v_first.shape[1]
     y = torch.empty(B, C, device=v_first.device, dtype=out_dtype)
+    if second is None:
+        ranks, w2, ld2, warps = (1, 1, 1, 1), (prm,) * 4, 0, WKV_DECODE_WARPS
+    else:
+        ranks, w2, ld2 = tuple(t.shape[1] for t in second), second, second[0].stride(0)
+        if any(r & (r - 1) for r in ranks) or any(t.stride() != (ld2, 1) for t in second):
+            raise ValueError(f"second stages: widths {ranks} must be powers of 2, with one row stride")
+        warps = max(4, min(16, _pow2(C // H * sum(ranks) * second[0].element_size() // SECOND_BYTES_PER_WARP)))
     _wkv_decode_kernel[(B * H,)](
-        *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, y, H, C, GN_EPS, N=C // H,
-        FIRST=first, num_warps=WKV_DECODE_WARPS, **_pdl(),
+        *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, y, H, C, GN_EPS, *w2, ld2,
+        N=C // H, FIRST=first, SECOND=second is not None, RW=ranks[0], RA=ranks[1], RV=ranks[2], RG=ranks[3],
+        num_warps=warps, **_pdl(),
     )
     return y

@@ -137,3 +137,38 @@ def test_lora_act_activates_the_decay_and_gate_hiddens_only():
     assert torch.equal(vwa[0], before_vwa[0]) and torch.equal(vwa[2], before_vwa[2])
     torch.testing.assert_close(vwa[1].float(), before_vwa[1].float().tanh(), atol=1e-3, rtol=0)
     torch.testing.assert_close(gate[0].float(), before_gate[0].float().sigmoid(), atol=1e-3, rtol=0)
+
+
+def test_wkv_decode_multiplies_the_second_stages_itself():
+    """wkv_decode given the LoRAs' hiddens and second stages (each its own width, views of one
+    padded buffer as the runner packs them) against the same kernel given their products from
+    torch: the same outputs and states; the first layer's v_first written alike."""
+    torch.manual_seed(2)
+    B, H, N, S = 2, 2, 64, 4
+    C, widths, rmax = H * N, (128, 64, 64, 256), 256  # w, a, v, g
+    w2 = (0.1 * torch.randn(4 * C, rmax, device=DEVICE)).half()
+    second = tuple(w2[j * C:(j + 1) * C, :r] for j, r in enumerate(widths))
+    proj = torch.randn(B, 3 * C + sum(widths), device=DEVICE)
+    rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
+    cols = [3 * C + sum(widths[:j]) for j in range(4)]
+    hidden = tuple(proj[:, col:col + r] for col, r in zip(cols, widths, strict=True))
+    lora = tuple((h.double() @ w.double().t()).float().contiguous() for h, w in zip(hidden, second, strict=True))
+    lora = torch.stack(lora, 1).view(B, 4 * C)  # one row stride, as the gemv writes them
+    lora = tuple(lora[:, j * C:(j + 1) * C] for j in range(4))
+    prm = torch.randn(8, C, device=DEVICE)
+    idx = torch.tensor([3, 1], device=DEVICE, dtype=torch.int32)
+    state0, v_first0 = torch.randn(S, H, N, N, device=DEVICE), torch.randn(B, C, device=DEVICE)
+    for first in (False, True):
+        outs = []
+        for lo, sec in ((lora, None), (hidden, second)):
+            state, v_first = state0.clone(), v_first0.clone()
+            y = K.wkv_decode(rkv, lo, v_first, prm, state, idx, H, first, torch.float32, second=sec)
+            outs.append((y, state, v_first))
+        (y0, s0, vf0), (y1, s1, vf1) = outs
+        assert close(y1, y0.double(), 1e-5) and close(s1, s0.double(), 1e-5)
+        assert torch.equal(s1[[0, 2]], state0[[0, 2]])  # slots not in idx untouched
+        if first:
+            assert torch.equal(vf1, vf0)
+    with pytest.raises(ValueError, match="powers of 2"):
+        K.wkv_decode(rkv, hidden, v_first, prm, state, idx, H, False, torch.float32,
+                     second=(second[0][:, :96],) + second[1:])
