@@ -785,7 +785,15 @@ def wkv_recurrent(r, w_log, k, v, a, b, state: torch.Tensor, rows: torch.Tensor,
 
 
 WKV_DECODE_WARPS = 2  # 3% faster than 4 at 256 rows on an H200 (bench/gpu_tune.py), 8 is slower
-SECOND_BYTES_PER_WARP = 8 << 10  # with the LoRAs' second stages: warps so that a thread holds ~256 bytes of them
+# With the LoRAs' second stages, a warp for each 16 KiB of a head's rows of them (rounded up to a power
+# of 2, at least 4): H200, one row (12-01l), 1.5B's 72 KiB at 4/8/16/32 warps 882/960/941/923 tokens/s,
+# 7.2B's 112 KiB 237/252/251/248, 0.1B's 40 KiB 3,765/3,690 at 4/8.
+SECOND_BYTES_PER_WARP = 16 << 10
+
+
+def second_warps(head_bytes: int) -> int:
+    """Warps of the core's program with the LoRAs' second stages (a head's rows of them: head_bytes)."""
+    return max(4, min(16, _pow2(-(-head_bytes // SECOND_BYTES_PER_WARP))))
 
 
 def wkv_decode(
@@ -808,7 +816,7 @@ def wkv_decode(
         ranks, w2, ld2 = tuple(t.shape[1] for t in second), second, second[0].stride(0)
         if any(r & (r - 1) for r in ranks) or any(t.stride() != (ld2, 1) for t in second):
             raise ValueError(f"second stages: widths {ranks} must be powers of 2, with one row stride")
-        warps = max(4, min(16, _pow2(C // H * sum(ranks) * second[0].element_size() // SECOND_BYTES_PER_WARP)))
+        warps = second_warps(C // H * sum(ranks) * second[0].element_size())
     _wkv_decode_kernel[(B * H,)](
         *rkv, rkv[0].stride(0), *lora, lora[0].stride(0), v_first, prm, state, idx, y, H, C, GN_EPS, *w2, ld2,
         N=C // H, FIRST=first, SECOND=second is not None, RW=ranks[0], RA=ranks[1], RV=ranks[2], RG=ranks[3],
