@@ -9,10 +9,11 @@ Decode (`decode`): one token per row, run as a CUDA graph captured per batch-siz
 pad a bucket run on the scratch slot. Per layer:
     small batches (≤ small_batch rows): 8 kernels — LayerNorm + token shift + six mixes; r, k, v
       and the four LoRA first stages (activated) as one grouped gemv; the LoRA second stages as
-      another; the time-mix core (decay, kk, a, state update in place at the slots, GroupNorm,
-      bonus, gate); output projection added into the fp32 residual (split-K atomics); LayerNorm +
-      shift for the channel mix; key with relu² fused; value added into the residual. All products
-      read the weights once: one or two rows on the FMA units, more on the tensor cores.
+      another (at one or two rows the core's, below: 7 kernels); the time-mix core (decay, kk, a,
+      state update in place at the slots, GroupNorm, bonus, gate); output projection added into
+      the fp32 residual (split-K atomics); LayerNorm + shift for the channel mix; key with relu²
+      fused; value added into the residual. All products read the weights once: one or two rows
+      on the FMA units, more on the tensor cores.
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
