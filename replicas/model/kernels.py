@@ -597,7 +597,7 @@ def _second_rows(W2, ld2, c, R: tl.constexpr):
 
 @triton.jit
 def _lora_out(w2, hidden, R: tl.constexpr):
-    """hidden [R] (fp32, activated) · w2ᵀ: [len(c)] in fp32."""
+    """hidden [R] (fp32, activated) · w2ᵀ, w2 a LoRA's rows from _second_rows: one value a row, fp32."""
     return tl.sum(w2.to(tl.float32) * tl.load(hidden + tl.arange(0, R)).to(tl.float32)[None, :], axis=1)
 
 
@@ -811,7 +811,7 @@ def wkv_decode(
     C = v_first.shape[1]
     y = torch.empty(B, C, device=v_first.device, dtype=out_dtype)
     if second is None:
-        ranks, w2, ld2, warps = (1, 1, 1, 1), (prm,) * 4, 0, WKV_DECODE_WARPS
+        ranks, w2, ld2, warps = (1, 1, 1, 1), (prm,) * 4, 0, WKV_DECODE_WARPS  # (w2 unread)
     else:
         ranks, w2, ld2 = tuple(t.shape[1] for t in second), second, second[0].stride(0)
         if any(r & (r - 1) for r in ranks) or any(t.stride() != (ld2, 1) for t in second):
