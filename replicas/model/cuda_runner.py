@@ -148,7 +148,7 @@ class CudaRunner(SlotStates):
         self.rmax = max(self.padded)
         self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
-        self.second_in_core = all(p & (p - 1) == 0 for p in self.padded)  # (the kernel's tiles are powers of 2)
+        self.second_in_core = K.takes_second(self.padded)
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"

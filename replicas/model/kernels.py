@@ -791,6 +791,12 @@ WKV_DECODE_WARPS = 2  # 3% faster than 4 at 256 rows on an H200 (bench/gpu_tune.
 SECOND_BYTES_PER_WARP = 16 << 10
 
 
+def takes_second(widths) -> bool:
+    """Whether wkv_decode can multiply LoRA second stages of these widths itself (its tiles are
+    powers of 2)."""
+    return all(w > 0 and w & (w - 1) == 0 for w in widths)
+
+
 def second_warps(head_bytes: int) -> int:
     """Warps of the core's program with the LoRAs' second stages (a head's rows of them: head_bytes)."""
     return max(4, min(16, _pow2(-(-head_bytes // SECOND_BYTES_PER_WARP))))
@@ -814,7 +820,7 @@ def wkv_decode(
         ranks, w2, ld2, warps = (1, 1, 1, 1), (prm,) * 4, 0, WKV_DECODE_WARPS  # (w2 unread)
     else:
         ranks, w2, ld2 = tuple(t.shape[1] for t in second), second, second[0].stride(0)
-        if any(r & (r - 1) for r in ranks) or any(t.stride() != (ld2, 1) for t in second):
+        if not takes_second(ranks) or any(t.stride() != (ld2, 1) for t in second):
             raise ValueError(f"second stages: widths {ranks} must be powers of 2, with one row stride")
         warps = second_warps(C // H * sum(ranks) * second[0].element_size())
     _wkv_decode_kernel[(B * H,)](

@@ -224,21 +224,21 @@ def test_steps_do_not_synchronise(pair):
     runner.capture([2])
     runner.decode([0, 1], [1, 2])
     runner.prefill([2, 3], [[5, 6, 7], [8]])  # warm: kernels compiled, caches filled
-    new_prompts = [[[9] * 100, [10] * 40], [[11] * 140, [12]]]  # over 128 tokens: first tokens apart
-    for _ in range(2):  # (the second sight captures the graphs)
-        for chunks in new_prompts:
+
+    def new_prompts():  # over 128 tokens: first tokens apart
+        for chunks in ([[9] * 100, [10] * 40], [[11] * 140, [12]]):
             runner.reset(4)
             runner.reset(5)
             runner.prefill([4, 5], chunks)
+
+    for _ in range(2):  # (the second sight captures the graphs)
+        new_prompts()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         runner.prefill([2, 3], [[5, 6, 7], [8]])
         runner.decode([0, 1], [1, 2])
-        for chunks in new_prompts:
-            runner.reset(4)
-            runner.reset(5)
-            runner.prefill([4, 5], chunks)
+        new_prompts()
     finally:
         torch.cuda.set_sync_debug_mode("default")
         runner.prefill_wkv = "recurrent"
