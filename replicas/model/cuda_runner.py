@@ -16,7 +16,8 @@ pad a bucket run on the scratch slot. Per layer:
       on the FMA units, more on the tensor cores.
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
-Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens; the
+Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens (in the
+last layer after the time mix, over each row's last two only: see _prefill_body); the
 recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, a pass over each
 row's chunks, the outputs over chunks again, which end the time mix too) or a Triton recurrence
 over the rows (kernels.wkv_recurrent). No Python loop over tokens, no host synchronisation:
@@ -104,6 +105,12 @@ class _Batch:
     slots: Tensor  # [R]
     rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
     cu_seqlens: Tensor  # [R + 1]
+    # the last layer's tail: each row's last token after its predecessor in the row (if any), the
+    # only tokens whose channel mix the call needs (the predecessor's LayerNorm is the last's shift)
+    tail: Tensor  # [T'] their tokens
+    tail_slot: Tensor  # [T'] the row's slot on its first entry, else -1 (tok_slot of the tail)
+    tail_row: Tensor  # [T'] the row on its last entry, else -1 (tok_row of the tail)
+    tail_lasts: Tensor  # [R] each row's last entry
     chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
 
 
@@ -459,7 +466,20 @@ class CudaRunner(SlotStates):
         tok_row = np.full(T, -1, dtype=np.int64)
         tok_row[lasts] = np.arange(R)
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
-        fields = [tokens, tok_slot, tok_row, lasts, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu]
+        # the tail: a row's last token, after its predecessor where the row has one
+        has_prev = lengths > 1
+        tail_cu = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(1 + has_prev, out=tail_cu[1:])
+        tail_lasts = tail_cu[1:] - 1
+        tail = np.empty(int(tail_cu[-1]), dtype=np.int64)
+        tail[tail_lasts] = lasts
+        tail[tail_lasts[has_prev] - 1] = lasts[has_prev] - 1
+        tail_slot = np.full(tail.shape[0], -1, dtype=np.int64)
+        tail_slot[tail_cu[:-1]] = slots  # (a predecessor's own shift is then the slot's: unused)
+        tail_row = np.full(tail.shape[0], -1, dtype=np.int64)
+        tail_row[tail_lasts] = np.arange(R)
+        fields = [tokens, tok_slot, tok_row, lasts, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu,
+                  tail, tail_slot, tail_row, tail_lasts]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
         if chunked:
             fields.append(wkv_chunk.chunk_indices(lengths).numpy().reshape(-1))
@@ -479,13 +499,18 @@ class CudaRunner(SlotStates):
         views = dev.split(sizes)
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], lasts=views[3], slots=views[4],
-            rows=views[5].view(R, 3), cu_seqlens=views[6],
-            chunk_indices=views[7].view(-1, 2) if chunked else None,
+            rows=views[5].view(R, 3), cu_seqlens=views[6], tail=views[7], tail_slot=views[8], tail_row=views[9],
+            tail_lasts=views[10], chunk_indices=views[11].view(-1, 2) if chunked else None,
         )
 
     def _prefill_body(self, batch: _Batch) -> Tensor:
         """All rows' tokens through the layers. Up to EXACT_PREFILL tokens: the gemv products with
-        fp32 between kernels (and the recurrent kernel); more: cuBLAS, fp16, the chunked kernel."""
+        fp32 between kernels (and the recurrent kernel); more: cuBLAS, fp16, the chunked kernel.
+
+        The last layer's time mix runs over every token (its states need them all); after it only
+        the tail goes on (_Batch.tail: each row's last token and its predecessor), since no later
+        layer reads the other tokens' outputs: the output projection and the channel mix of the
+        rest would be a twelfth of a 32-layer call's products, computed and thrown away."""
         st, C, H, dev = self.states, self.C, self.H, self.device
         T, R = batch.tokens.shape[0], batch.slots.shape[0]
         exact = T <= EXACT_PREFILL
@@ -499,9 +524,10 @@ class CudaRunner(SlotStates):
         # the rows' new shifts, every layer's, go to their slots at the end (two copies, not 2L)
         new_att, new_ffn = (torch.empty(len(self.layers), R, C, device=dev, dtype=torch.float32) for _ in range(2))
         dx = None
+        last = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
-            mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act, batch,
-                                               new_att[i])
+            mixed, x, x_next = self._shift_mix(x, dx, x_next, lw.ln1, st.att_shift[i], lw.mix_att, act,
+                                               batch.tok_slot, batch.tok_row, new_att[i])
             if exact:
                 proj = torch.empty(T, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, T, table=self.table_in, n_sm=self.n_sm)
@@ -518,30 +544,35 @@ class CudaRunner(SlotStates):
             else:
                 o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
                 y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
-            dx = self._product(y, lw.wo, exact)
-            kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act, batch,
-                                             new_ffn[i])
-            if exact:
-                kf = torch.empty(T, self.F, device=dev, dtype=torch.float32)
-                K.gemv(kin, lw.wfk, kf, T, act=K.ACT_RELU2, n_sm=self.n_sm)
-                dx = self._product(kf, lw.wfv, exact)
+            tok_slot, tok_row, gemv = batch.tok_slot, batch.tok_row, exact
+            if i == last:  # from here the tail only; its few rows take the gemv products
+                y, x = y.index_select(0, batch.tail), x.index_select(0, batch.tail)
+                x_next, tok_slot, tok_row = torch.empty_like(x), batch.tail_slot, batch.tail_row
+                gemv = exact or x.shape[0] <= AUTO_PATH_MAX
+            dx = self._product(y, lw.wo, gemv)
+            kin, x, x_next = self._shift_mix(x, dx, x_next, lw.ln2, st.ffn_shift[i], lw.mix_ffn, act,
+                                             tok_slot, tok_row, new_ffn[i])
+            if gemv:
+                kf = torch.empty(kin.shape[0], self.F, device=dev, dtype=torch.float32)
+                K.gemv(kin, lw.wfk, kf, kin.shape[0], act=K.ACT_RELU2, n_sm=self.n_sm)
+                dx = self._product(kf, lw.wfv, gemv)
             else:
                 dx = self._ffn(lw, kin, self.fp32_outputs_prefill)
         st.att_shift.index_copy_(1, batch.slots, new_att)
         st.ffn_shift.index_copy_(1, batch.slots, new_ffn)
-        hn = K.add_ln(x, dx, *self.ln_out, batch.lasts, act)
+        hn = K.add_ln(x, dx, *self.ln_out, batch.tail_lasts, act)
         if exact:
             logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
             return K.gemv(hn, self.head, logits, R, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
 
     @staticmethod
-    def _shift_mix(x, dx, x_next, ln, shift, mix, act, batch: _Batch, new_shift) -> tuple[Tensor, Tensor, Tensor]:
+    def _shift_mix(x, dx, x_next, ln, shift, mix, act, tok_slot, tok_row, new_shift) -> tuple[Tensor, Tensor, Tensor]:
         """x + dx into x_next, its LayerNorm + token shift + mixes; each row's last h goes to
         new_shift (its slot's shift after the call: the caller copies it there, as no later kernel
         of the call reads this layer's shift). Returns (mixes, x_next, x): the residual's new buffer
         first, then the free one."""
-        out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, batch.tok_slot, act, batch.tok_row, new_shift)
+        out = K.ln_shift_mix(x, dx, x_next, *ln, shift, mix, tok_slot, act, tok_row, new_shift)
         return out, x_next, x
 
     def _product(self, a: Tensor, w: Tensor, exact: bool) -> Tensor:
