@@ -67,7 +67,6 @@ AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of 
 # Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
 # kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
 SECOND_IN_CORE_ROWS = 2
-SECOND_IN_PREPARE = True  # see CudaRunner.second_in_prepare
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 16  # prefill shapes (row lengths) kept as CUDA graphs, least recently used dropped
@@ -157,9 +156,6 @@ class CudaRunner(SlotStates):
         self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
         self.second_in_core = K.takes_second(self.padded)
-        # the large prefill path's prepare kernel multiplies the w, a, v LoRAs' second stages (H200,
-        # docs/gpu.md: their products' outputs no longer go through memory)
-        self.second_in_prepare = SECOND_IN_PREPARE and self.second_in_core
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
@@ -424,14 +420,11 @@ class CudaRunner(SlotStates):
 
     # -- products of the large path (cuBLAS) ----------------------------------------------------
 
-    def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool,
-                     second: bool = True) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
         """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
         [T, C] views, from two batched products a batch of LoRAs (LORA_ONE or LORA_SPLIT) and one
         launch for both activations (eight products of their own widths took ten launches; one
-        batch of four was 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate).
-        second=False: wl, al, vl come back as their activated hiddens [T, padded width], for the
-        prepare kernel to multiply (kernels.wkv_prepare); g's second stage is multiplied here."""
+        batch of four was 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate)."""
         C = self.C
         rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
         # xv, xw, xa, xg: each batch's inputs are consecutive columns of mixed
@@ -441,9 +434,6 @@ class CudaRunner(SlotStates):
                   for batch, (w1, _) in zip(batching, views, strict=True)]  # per batch [n, T, width]
         per_lora = [h for batch in hidden for h in batch.unbind(0)]  # in LORAS order
         K.lora_act_(per_lora[LORAS.index("w")], per_lora[LORAS.index("g")])
-        if not second:
-            w, a, v, g = _kernel_order([h[:, :width] for h, width in zip(per_lora, self.padded, strict=True)])
-            return rkv, (w, a, v, self._mm_out(g, lw.second[3].t(), fp32))
         outs = [o for h, (_, w2) in zip(hidden, views, strict=True) for o in self._bmm_out(h, w2, fp32).unbind(0)]
         return rkv, _kernel_order(outs)
 
@@ -546,10 +536,8 @@ class CudaRunner(SlotStates):
                 rkv = [proj[:, j * C:(j + 1) * C] for j in range(3)]
                 lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
-                rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill, not self.second_in_prepare)
-            w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype,
-                                                     second=lw.second[:3] if self.second_in_prepare and not exact
-                                                     else None)
+                rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
+            w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
             if wkv == "chunked":  # the chunked form's output kernel ends the time mix too
                 y = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
                                             batch.chunk_indices, self.n_sm, finish=(lora[3], bonus, lw.prm, act))

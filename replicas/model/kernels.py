@@ -696,45 +696,6 @@ def _wkv_prepare_kernel(
     tl.store(bonus + t * H + tl.arange(0, BLOCK_H)[:, None], bo, mask=tl.arange(0, BLOCK_H)[:, None] < H)
 
 
-@triton.jit(do_not_specialize=["T", "H"])
-def _wkv_prepare_second_kernel(
-    Rr, Kk, Vv, ldp, HW, HA, HV, ldh, W2W, W2A, W2V, ld2, VF, prm, w_out, k_out, v_out, a_out, b_out, bonus,
-    T, H, C, N: tl.constexpr, RW: tl.constexpr, RA: tl.constexpr, RV: tl.constexpr, BT: tl.constexpr,
-    FIRST: tl.constexpr, PDL: tl.constexpr,
-):
-    """The same for BT tokens of one head, multiplying the LoRAs' second stages itself: wl, al, vl =
-    hidden · W2ᵀ on the tensor cores from the activated hiddens [T, R] and this head's rows of W2."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * N + tl.arange(0, N)
-    m = (t < T)[:, None]
-    t = t.to(tl.int64)[:, None]
-    off = t * C + c[None, :]
-    w0, a0, v0, k_k, k_a, r_k = _time_mix_params(prm, C, c, c < C)
-    _after_predecessor(PDL)
-    wl = tl.dot(tl.load(HW + t * ldh + tl.arange(0, RW)[None, :], mask=m, other=0.0),
-                tl.trans(_second_rows(W2W, ld2, c, RW)))
-    al = tl.dot(tl.load(HA + t * ldh + tl.arange(0, RA)[None, :], mask=m, other=0.0),
-                tl.trans(_second_rows(W2A, ld2, c, RA)))
-    vl = tl.dot(tl.load(HV + t * ldh + tl.arange(0, RV)[None, :], mask=m, other=0.0),
-                tl.trans(_second_rows(W2V, ld2, c, RV)))
-    r = tl.load(Rr + t * ldp + c[None, :], mask=m, other=0.0).to(tl.float32)
-    k = tl.load(Kk + t * ldp + c[None, :], mask=m, other=0.0).to(tl.float32)
-    v = tl.load(Vv + t * ldp + c[None, :], mask=m, other=0.0).to(tl.float32)
-    if FIRST:
-        tl.store(VF + off, v.to(VF.dtype.element_ty), mask=m)
-        vf = v
-    else:
-        vf = tl.load(VF + off, mask=m, other=0.0).to(tl.float32)
-    w_log, k, v, a, b, bo = _time_mix_inputs(r, k, v, wl, al, vl, vf, w0[None, :], a0[None, :], v0[None, :],
-                                             k_k[None, :], k_a[None, :], r_k[None, :], 1, FIRST)
-    tl.store(w_out + off, w_log.to(w_out.dtype.element_ty), mask=m)
-    tl.store(k_out + off, k.to(k_out.dtype.element_ty), mask=m)
-    tl.store(v_out + off, v.to(v_out.dtype.element_ty), mask=m)
-    tl.store(a_out + off, a.to(a_out.dtype.element_ty), mask=m)
-    tl.store(b_out + off, b.to(b_out.dtype.element_ty), mask=m)
-    tl.store(bonus + t * H + tl.program_id(1), bo, mask=m)
-
-
 @triton.jit(do_not_specialize=["H"])
 def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constexpr, BLOCK_H: tl.constexpr,
                        PDL: tl.constexpr):
@@ -752,33 +713,17 @@ def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constex
     tl.store(Y + off, o.to(Y.dtype.element_ty), mask=mask)
 
 
-PREPARE_TOKENS = 32  # tokens a program of the prepare kernel with the second stages
-
-
-def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype: torch.dtype,
-                second: tuple[torch.Tensor, ...] | None = None):
+def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype: torch.dtype):
     """-> (w_log fp32, k', v', a, b in kv_dtype, bonus [T, H] fp32), all [T, C] but bonus.
 
-    r, k, v share one row stride, wl, al, vl another (views into wider buffers are fine). With second
-    (the w, a, v LoRAs' second stages [C, R], 16-bit, one row stride, each R a power of 2 of at
-    least 16): wl, al, vl are instead their activated hiddens [T, R] in the same dtype, and this
-    kernel multiplies them (in fp32, without the products' round trip through memory).
+    r, k, v share one row stride, wl, al, vl another (views into wider buffers are fine).
     """
     T, C = r.shape
     N = C // H
     outs = [torch.empty(T, C, device=r.device, dtype=dt) for dt in (torch.float32,) + (kv_dtype,) * 4]
     bonus = torch.empty(T, H, device=r.device, dtype=torch.float32)
-    if second is None:
-        _wkv_prepare_kernel[(T,)](r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, *outs, bonus, H,
-                                  C, N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C), **_pdl())
-        return (*outs, bonus)
-    ranks, ld2 = tuple(t.shape[1] for t in second), second[0].stride(0)
-    if (not takes_second(ranks) or min(ranks) < 16 or any(t.stride() != (ld2, 1) for t in second)
-            or any(h.stride(1) != 1 or h.stride(0) != wl.stride(0) for h in (wl, al, vl))):
-        raise ValueError(f"second stages: widths {ranks} must be powers of 2 from 16, with one row stride")
-    _wkv_prepare_second_kernel[(triton.cdiv(T, PREPARE_TOKENS), H)](
-        r, k, v, r.stride(0), wl, al, vl, wl.stride(0), *second, ld2, v_first, prm, *outs, bonus, T, H, C,
-        N=N, RW=ranks[0], RA=ranks[1], RV=ranks[2], BT=PREPARE_TOKENS, FIRST=first, num_warps=4, **_pdl())
+    _wkv_prepare_kernel[(T,)](r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, *outs, bonus, H, C,
+                              N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C), **_pdl())
     return (*outs, bonus)
 
 

@@ -172,33 +172,3 @@ def test_wkv_decode_multiplies_the_second_stages_itself():
     with pytest.raises(ValueError, match="powers of 2"):
         K.wkv_decode(rkv, hidden, v_first, prm, state, idx, H, False, torch.float32,
                      second=(second[0][:, :96],) + second[1:])
-
-
-@pytest.mark.parametrize("first", [False, True])
-def test_wkv_prepare_multiplies_the_second_stages_itself(first):
-    """wkv_prepare given the w, a, v LoRAs' hiddens (fp16, views of one batched product's output, as
-    the large path makes them) and their second stages (views of one padded buffer) against the same
-    kernel given the products from torch: the same outputs, over a ragged last block of tokens."""
-    torch.manual_seed(3)
-    T, H, N = 70, 2, 64  # 70 tokens: the last program's block runs past the end
-    C, widths, rmax = H * N, (128, 64, 64), 256  # w, a, v
-    w2 = (0.1 * torch.randn(3 * C, rmax, device=DEVICE)).half()
-    second = tuple(w2[j * C:(j + 1) * C, :r] for j, r in enumerate(widths))
-    hidden_all = torch.randn(3, T, max(widths), device=DEVICE).half()
-    hidden = tuple(hidden_all[j, :, :r] for j, r in enumerate(widths))
-    lora = tuple((h.double() @ w.double().t()).float() for h, w in zip(hidden, second, strict=True))
-    lora = torch.stack(lora, 1).view(T, 3 * C)
-    lora = tuple(lora[:, j * C:(j + 1) * C] for j in range(3))
-    rkv = torch.randn(T, 3 * C, device=DEVICE)
-    rkv = tuple(rkv[:, j * C:(j + 1) * C] for j in range(3))
-    prm = torch.randn(8, C, device=DEVICE)
-    v_first0 = torch.randn(T, C, device=DEVICE)
-    outs = []
-    for lo, sec in ((lora, None), (hidden, second)):
-        v_first = v_first0.clone()
-        outs.append((*K.wkv_prepare(*rkv, *lo, v_first, prm, H, first, torch.float32, second=sec), v_first))
-    for name, ours, ref in zip(("w_log", "k", "v", "a", "b", "bonus", "v_first"), outs[1], outs[0], strict=True):
-        assert close(ours, ref.double(), 1e-5), name
-    with pytest.raises(ValueError, match="powers of 2"):
-        K.wkv_prepare(*rkv, *hidden, v_first, prm, H, first, torch.float32,
-                      second=(second[0][:, :96],) + second[1:])
