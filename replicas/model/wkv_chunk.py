@@ -151,8 +151,9 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
 
 @triton.jit(do_not_specialize=["H"])
 def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_seqlens, chunk_indices, H,
-                       N: tl.constexpr, BT: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
-    """One (chunk, head): what the pass takes (see the module's docstring)."""
+                       N: tl.constexpr, BT: tl.constexpr, SQUARINGS: tl.constexpr, F16: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One (chunk, head): what the pass takes (see the module's docstring); SQUARINGS = log₂(BT) - 1."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
     o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
@@ -181,12 +182,12 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L³²): L is strictly lower, so L⁶⁴ = 0. On heads of
+    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L^(BT/2)): L is strictly lower, so L^BT = 0. On heads of
     # 64 from here fp16 operands, as fla's WY stage (the entries of L, A_ak, the inverse and the
     # decayed a stay within fp16's range); on smaller heads tf32 (docs/gpu.md: fp16 faulted there)
     dt = tl.float16 if F16 else tl.float32
     inv = tl.where(row == col, 1.0, 0.0) + L
-    for _ in tl.static_range(5):
+    for _ in tl.static_range(SQUARINGS):
         L = tl.dot(L.to(dt), L.to(dt))
         inv += tl.dot(inv.to(dt), L.to(dt))
     inv = inv.to(dt)
@@ -225,6 +226,7 @@ def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor
     A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=v.dtype) for _ in range(2))
     _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
                                                     cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
+                                                    SQUARINGS=CHUNK.bit_length() - 2,
                                                     F16=F16_INVERSE and N >= 64, num_warps=PREP_WARPS, **K._pdl())
     o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
                   chunk_indices, n_sm, finish)
