@@ -168,7 +168,6 @@ class CudaRunner(SlotStates):
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
         self._fresh = set(range(max_slots))  # slots at the zero state (prefill treats their first token apart)
-        self.ffn_flags = torch.zeros(256, dtype=torch.int32, device=self.device)  # kernels.gemv_pair's, zeros between
         self._tables()
         self._mm_f32, self._bmm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
@@ -401,11 +400,8 @@ class CudaRunner(SlotStates):
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
                 kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
-                if K.FFN_PAIR and B <= K.FMA_ROWS:
-                    K.gemv_pair(kin, lw.wfk, kf, lw.wfv, x, B, K.ACT_RELU2, self.ffn_flags, self.n_sm)
-                else:
-                    K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
-                    K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
+                K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
+                K.gemv(kf, lw.wfv, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
             else:
                 fp32 = self.fp32_outputs_decode
                 rkv, lora = self._projections(lw, mixed, B, fp32)

@@ -376,60 +376,29 @@ def _gemv_kernel(
     _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, acc, act, EPI)
 
 
-@triton.jit
-def _await_slice(flags, slice, expected, n_slices, n_blocks):
-    """Spins until `expected` programs of the previous kernel have signalled this K slice's rows of A
-    (flags[slice]); the slice's last program to pass (counted in flags[n_slices + slice]) zeroes
-    both counters for the next pair."""
-    seen = tl.load(flags + slice, volatile=True)
-    while seen < expected:
-        seen = tl.load(flags + slice, volatile=True)
-    tl.atomic_add(flags + slice, 0, sem="acquire")
-    if tl.atomic_add(flags + n_slices + slice, 1) == n_blocks - 1:
-        tl.store(flags + slice, 0)
-        tl.store(flags + n_slices + slice, 0)
-
-
-@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K", "flag_rows"])
+@triton.jit(do_not_specialize=["M", "N", "n_blocks", "ACT", "SPLIT_K"])
 def _gemv_fma_kernel(
-    A, lda, Wd, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K, flags, flag_rows,
+    A, lda, Wd, Y, ldy, M, N, K, table, n_blocks, ACT, SPLIT_K,
     GROUPED: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, FLAG: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """The same product for a few rows on the FMA units: fp32 activations as they are, each thread
     keeping partial sums for its part of the [BLOCK_M, BLOCK_N, BLOCK_K] tile, one reduction at the end.
     W's tiles come through its TMA descriptor Wd, so the loop keeps STAGES - 1 of them in flight in
-    shared memory (plain loads would hold them in registers, and registers bound the bytes in flight).
-
-    FLAG (gemv_pair): 1, the program signals flags[its first output column // flag_rows] once its
-    outputs are stored; 2, instead of waiting for the whole previous kernel (PDL), the program waits
-    for its K slice of A, whose columns come from programs of flag_rows columns each that signal."""
+    shared memory (plain loads would hold them in registers, and registers bound the bytes in flight)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n, act, k_lo, k_hi, a_rows, w_row, m_mask, _ = _gemv_program(
         A, lda, M, N, K, table, n_blocks, ACT, SPLIT_K, offs_m, GROUPED, BLOCK_N, BLOCK_K)
     w = Wd.load([w_row, k_lo]).to(tl.float32)  # before the wait (PDL); rows past W's end read as zeros
-    if FLAG == 2:
-        _await_slice(flags, tl.program_id(1), tl.cdiv(tl.maximum(k_hi - k_lo, 0), flag_rows), SPLIT_K, n_blocks)
-        if PDL:
-            gdc_launch_dependents()
-        # A's rows are read from the L2 (".cg"): they were written by other multiprocessors during this kernel
-        a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        _after_predecessor(PDL)
-        a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
+    _after_predecessor(PDL)
+    a = tl.load(a_rows + k_lo, mask=m_mask & (k_lo < k_hi), other=0.0).to(tl.float32)
     acc = w[None, :, :] * a[:, None, :]
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         k0 = tl.multiple_of(k0, BLOCK_K)
         wk = Wd.load([w_row, k0]).to(tl.float32)
-        if FLAG == 2:
-            ak = tl.load(a_rows + k0, mask=m_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            ak = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
+        ak = tl.load(a_rows + k0, mask=m_mask, other=0.0).to(tl.float32)
         acc += wk[None, :, :] * ak[:, None, :]
     _gemv_epilogue(Y, ldy, N, offs_m, offs_n, m_mask, tl.sum(acc, axis=2), act, EPI)
-    if FLAG == 1:
-        tl.debug_barrier()  # every thread's stores before the release
-        tl.atomic_add(flags + (tl.program_id(0) * BLOCK_N) // flag_rows, 1, sem="release")
 
 
 @dataclass(frozen=True)
@@ -503,14 +472,13 @@ class GemvTable:
 def gemv(
     a: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, *, table: GemvTable | None = None,
     act: int = ACT_NONE, epi: int = EPI_STORE, n_sm: int = 132, config: GemvConfig | None = None,
-    flag: tuple[int, torch.Tensor, int] = (0, None, 1),
 ) -> torch.Tensor:
     """y[:m] (=|+=) act(a[:m] · wᵀ); a [≥m, ≥K] and y [≥m, N] row-major (any row stride), w [N, K]
     (grouped: y [≥m, table.width], the table says which rows of w and columns of a each block uses).
 
     Up to FMA_ROWS rows run on the FMA units with fp32 activations; more on the tensor cores, where
     an fp32 `a` is split into hi + lo parts in w's dtype (SPLIT_A), a 16-bit `a` is used as it is.
-    block_k is shrunk to divide every K. flag: (FLAG, flags, flag_rows) of the FMA kernel (gemv_pair).
+    block_k is shrunk to divide every K.
     """
     N, K = w.shape
     cfg = config or gemv_config(m, w.numel() * w.element_size())
@@ -526,21 +494,19 @@ def gemv(
     block_k = cfg.block_k
     while any(k % block_k for k in ks):
         block_k //= 2
-    split = _split(cfg, epi, n_blocks, k_max, block_k, n_sm)
+    split = 1
+    if epi == EPI_ATOMIC_ADD:  # enough programs to keep every multiprocessor streaming
+        split = max(1, min(triton.cdiv(cfg.per_sm * n_sm, n_blocks), k_max // block_k))
     rest = (y, y.stride(0), m, N, K, blocks if table is not None else y, n_blocks, act, split)
     if cfg.fma:
         block_m = _pow2(m)
-        block_k = _fma_block_k(block_k, block_m, block_n)
+        block_k = max(64, min(block_k, 256, 8192 // (block_m * block_n)))  # 256: a TMA box's longest side
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])  # needs w 16-byte aligned
-        mode, flags, flag_rows = flag
         _gemv_fma_kernel[(n_blocks, split)](  # W's row stride travels in its descriptor
-            a, a.stride(0), w_desc, *rest, flags if flags is not None else y, flag_rows, GROUPED=table is not None,
-            EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, FLAG=mode,
-            num_warps=cfg.warps, **_pdl(),
+            a, a.stride(0), w_desc, *rest, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, num_warps=cfg.warps, **_pdl(),
         )
         return y
-    if flag[0]:
-        raise ValueError("gemv: flags are the FMA kernel's")
     block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
     _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
         a, a.stride(0), w, w.stride(0), *rest, GROUPED=table is not None,
@@ -548,46 +514,6 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages, **_pdl(),
     )
     return y
-
-
-def _split(cfg: GemvConfig, epi: int, n_blocks: int, k_max: int, block_k: int, n_sm: int) -> int:
-    """Programs along K: with the atomic epilogue, enough to keep every multiprocessor streaming."""
-    if epi != EPI_ATOMIC_ADD:
-        return 1
-    return max(1, min(triton.cdiv(cfg.per_sm * n_sm, n_blocks), k_max // block_k))
-
-
-def _fma_block_k(block_k: int, block_m: int, block_n: int) -> int:
-    return max(64, min(block_k, 256, 8192 // (block_m * block_n)))  # 256: a TMA box's longest side
-
-
-# The channel mix's two products at one or two rows (gemv_pair): the value product's programs start
-# as soon as the key's programs for their slice of the hidden units have stored it, where the grid
-# dependency (PDL) would have them wait for the last key program. FFN_PAIR turns it off.
-FFN_PAIR = True
-
-
-def gemv_pair(a: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, m: int,
-              act: int, flags: torch.Tensor, n_sm: int = 132) -> torch.Tensor:
-    """h = act(a · w1ᵀ), then y += h · w2ᵀ (split-K atomics), each value program waiting only for its
-    K slice of h (up to FMA_ROWS rows, on the FMA kernels). flags: int32 zeros, at least twice the
-    value product's K split; zeros again after the call. Returns y."""
-    if m > FMA_ROWS:
-        raise ValueError(f"gemv_pair: at most {FMA_ROWS} rows")
-    cfg1, cfg2 = gemv_config(m, w1.numel() * w1.element_size()), gemv_config(m, w2.numel() * w2.element_size())
-    n_blocks, K = triton.cdiv(w2.shape[0], cfg2.block_n), w2.shape[1]
-    if K % 64 or w1.shape[0] != K:
-        raise ValueError(f"gemv_pair: h's width {w1.shape[0]} must be w2's K {K}, a multiple of 64")
-    block_k = cfg2.block_k
-    while K % block_k:
-        block_k //= 2
-    split = _split(cfg2, EPI_ATOMIC_ADD, n_blocks, K, block_k, n_sm)
-    block_k = _fma_block_k(block_k, _pow2(m), cfg2.block_n)
-    k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # as _gemv_program splits K
-    if flags.numel() < 2 * split or k_per % cfg1.block_n:
-        raise ValueError(f"gemv_pair: {flags.numel()} flags for a split of {split}, or slices not in blocks")
-    gemv(a, w1, h, m, act=act, n_sm=n_sm, config=cfg1, flag=(1, flags, k_per))
-    return gemv(h, w2, y, m, epi=EPI_ATOMIC_ADD, n_sm=n_sm, config=cfg2, flag=(2, flags, cfg1.block_n))
 
 
 @triton.jit

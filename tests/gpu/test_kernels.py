@@ -172,24 +172,3 @@ def test_wkv_decode_multiplies_the_second_stages_itself():
     with pytest.raises(ValueError, match="powers of 2"):
         K.wkv_decode(rkv, hidden, v_first, prm, state, idx, H, False, torch.float32,
                      second=(second[0][:, :96],) + second[1:])
-
-
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("shape", [(128, 512), (64, 1536)])  # (C, F): 1536 splits into uneven slices
-def test_gemv_pair_as_two_gemvs(m, shape):
-    """The channel mix's pair (value programs waiting for their slice of the key's output) against
-    torch: h = relu²(a·w1ᵀ), y += h·w2ᵀ; the flags are zeros again after each call, so a second call
-    waits again (its result equal to the first's added twice)."""
-    torch.manual_seed(4)
-    C, F = shape
-    a = torch.randn(m, C, device=DEVICE)
-    w1, w2 = (0.1 * torch.randn(F, C, device=DEVICE)).half(), (0.1 * torch.randn(C, F, device=DEVICE)).half()
-    h = torch.empty(m, F, device=DEVICE)
-    y0 = torch.randn(m, C, device=DEVICE)
-    y, flags = y0.clone(), torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    ref_h = reference(a, w1, K.ACT_RELU2)
-    ref = ref_h @ w2.double().t()
-    for call in (1, 2):
-        K.gemv_pair(a, w1, h, w2, y, m, K.ACT_RELU2, flags, n_sm=4)
-        assert close(h, ref_h, 1e-5) and close(y - y0, call * ref, 1e-5), f"call {call}"
-        assert not flags.any(), f"call {call}"
