@@ -242,3 +242,22 @@ def test_steps_do_not_synchronise(pair):
     finally:
         torch.cuda.set_sync_debug_mode("default")
         runner.prefill_wkv = "recurrent"
+
+
+def test_prefill_tail_of_many_rows():
+    """A call of 40 rows of 1-6 tokens (140 tokens: the cuBLAS path) going on from states: the last
+    layer's tail has 73 entries, over the 64 that the gemv and the LayerNorm's program-a-token
+    kernel take, so its channel mix runs through cuBLAS and the rows kernel. Logits and states as
+    the reference."""
+    pytest.importorskip("triton")
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+
+    model = rounded(init_random(RWKV7(SHAPES["L3-C128-N32"]), seed=5), torch.float16).to(DEVICE).eval()
+    runner = CudaRunner(model, max_slots=40, prefill_wkv="recurrent", auto_path=False, graphs=False)
+    ref = ModelRunner(model, max_slots=40)
+    slots = list(range(40))[::-1]
+    start_from_random_states(runner, ref, slots, seed=70)  # (fresh rows would lose a token to their step)
+    chunks = [tokens(1 + j % 6, ref.vocab_size, 80 + j) for j in range(40)]
+    assert sum(min(len(c), 2) for c in chunks) > 64 and sum(len(c) for c in chunks) > 128
+    assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
+    assert_states_close(runner, ref, slots)
