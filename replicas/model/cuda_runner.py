@@ -465,20 +465,8 @@ class CudaRunner(SlotStates):
         tok_row = np.full(T, -1, dtype=np.int64)
         tok_row[lasts] = np.arange(R)
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
-        # the tail: a row's last token, after its predecessor where the row has one
-        has_prev = lengths > 1
-        tail_cu = np.zeros(R + 1, dtype=np.int64)
-        np.cumsum(1 + has_prev, out=tail_cu[1:])
-        tail_lasts = tail_cu[1:] - 1
-        tail = np.empty(int(tail_cu[-1]), dtype=np.int64)
-        tail[tail_lasts] = lasts
-        tail[tail_lasts[has_prev] - 1] = lasts[has_prev] - 1
-        tail_slot = np.full(tail.shape[0], -1, dtype=np.int64)
-        tail_slot[tail_cu[:-1]] = slots  # (a predecessor's own shift is then the slot's: unused)
-        tail_row = np.full(tail.shape[0], -1, dtype=np.int64)
-        tail_row[tail_lasts] = np.arange(R)
         fields = [tokens, tok_slot, tok_row, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu,
-                  tail, tail_slot, tail_row, tail_lasts]
+                  *_tail_fields(lengths, lasts, slots)]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
         if chunked:
             fields.append(wkv_chunk.chunk_indices(lengths).numpy().reshape(-1))
@@ -660,6 +648,23 @@ class CudaRunner(SlotStates):
         if choice == "auto":  # the chunked kernels run on the CPU only under Triton's interpreter, slowly
             return "chunked" if self.device.type == "cuda" else "recurrent"
         return choice
+
+
+def _tail_fields(lengths: np.ndarray, lasts: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """_Batch's tail (tail, tail_slot, tail_row, tail_lasts) of rows of these lengths, last tokens
+    and slots: each row's last token, after its predecessor where the row has one."""
+    has_prev = lengths > 1
+    cu = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(1 + has_prev, out=cu[1:])
+    tail_lasts = cu[1:] - 1
+    tail = np.empty(int(cu[-1]), dtype=np.int64)
+    tail[tail_lasts] = lasts
+    tail[tail_lasts[has_prev] - 1] = lasts[has_prev] - 1
+    tail_slot = np.full(tail.shape[0], -1, dtype=np.int64)
+    tail_slot[cu[:-1]] = slots  # (a predecessor's own shift is then the slot's: unused)
+    tail_row = np.full(tail.shape[0], -1, dtype=np.int64)
+    tail_row[tail_lasts] = np.arange(lengths.shape[0])
+    return tail, tail_slot, tail_row, tail_lasts
 
 
 def _kernel_order(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -533,17 +533,20 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _activate_in_place(x, n, offs, act):
+    mask = offs < n
+    y = _activate(tl.load(x + offs, mask=mask, other=0.0).to(tl.float32), act)
+    tl.store(x + offs, y.to(x.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _lora_act_kernel(w_hidden, n_w, g_hidden, n_g, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_predecessor(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if tl.program_id(1) == 0:  # the decay's hidden (ACT_TANH)
-        mask = offs < n_w
-        y = _activate(tl.load(w_hidden + offs, mask=mask, other=0.0).to(tl.float32), 1)
-        tl.store(w_hidden + offs, y.to(w_hidden.dtype.element_ty), mask=mask)
-    else:  # the gate's (ACT_SIGMOID)
-        mask = offs < n_g
-        y = _activate(tl.load(g_hidden + offs, mask=mask, other=0.0).to(tl.float32), 2)
-        tl.store(g_hidden + offs, y.to(g_hidden.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        _activate_in_place(w_hidden, n_w, offs, 1)  # the decay's hidden: ACT_TANH
+    else:
+        _activate_in_place(g_hidden, n_g, offs, 2)  # the gate's: ACT_SIGMOID
 
 
 def lora_act_(w_hidden: torch.Tensor, g_hidden: torch.Tensor) -> None:
