@@ -18,7 +18,8 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
   * the engine (replicas.engine.Engine, no Ray): concurrent requests → generated tokens/s, next to
     the runner's raw decode rate at that batch, which shows what the scheduler costs; sampled with
     top-p 0.9 (a random model's flat rows take the sampler's slow path, which a trained model's
-    peaked rows rarely need) and greedy (the scheduler without that).
+    peaked rows rarely need) and greedy (the scheduler without that); and the sampler alone, its
+    one-launch kernel next to its torch lines.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
 
@@ -451,22 +452,27 @@ def profile(runner) -> None:
 
 
 def time_sampler(results: dict) -> None:
-    """The sampler alone on the GPU (the engine's share that is not the model)."""
+    """The sampler alone on the GPU (the engine's share that is not the model): its one-launch
+    kernel next to its torch lines, on the same rows, ms a step (the tokens read back)."""
     from replicas.sampling import Sampler, SamplingParams  # noqa: PLC0415
 
     for batch in (64, 256):
-        sampler = Sampler(batch, 65536, "cuda")
         logits = torch.randn(batch, 65536, device="cuda")
         for label, p in (("greedy", SamplingParams(temperature=0.0)),
-                         ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9))):
+                         ("top-p 0.9", SamplingParams(temperature=1.0, top_p=0.9)),
+                         ("top-k 50, penalties", SamplingParams(temperature=1.0, top_k=50, presence_penalty=0.5))):
             params, slots, uniforms = [p] * batch, list(range(batch)), [0.5] * batch
-            sampler.sample(logits, slots, params, uniforms)
-            start = time.perf_counter()
-            for _ in range(10):
+            ms = {}
+            for way, kernel in (("torch", False), ("kernel", True)):
+                sampler = Sampler(batch, 65536, "cuda", kernel=kernel)
                 sampler.sample(logits, slots, params, uniforms)
-            ms = (time.perf_counter() - start) * 100
+                start = time.perf_counter()
+                for _ in range(10):
+                    sampler.sample(logits, slots, params, uniforms)
+                ms[way] = (time.perf_counter() - start) * 100
             results["sampler"][f"{batch} {label}"] = ms
-            say(f"sampler: batch {batch}, {label}: {ms:.2f} ms a step")
+            say(f"sampler: batch {batch}, {label}: kernel {ms['kernel']:.3f} ms a step, torch lines "
+                f"{ms['torch']:.2f} ({ms['torch'] / ms['kernel']:.1f}x)")
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -493,9 +499,11 @@ def bench_engine(runner, results: dict) -> None:
                               token_chunk_size=512, device_cache_bytes=32 << 30, host_cache_bytes=16 << 30)
         engine = Engine(runner, tokenizer, config).start()
         rates = {}
-        for label, temperature in (("top-p 0.9", 1.0), ("greedy", 0.0)):
+        cases = (("top-p 0.9", 1.0, True), ("greedy", 0.0, True), ("top-p 0.9, torch sampler", 1.0, False))
+        for seed, (label, temperature, kernel) in enumerate(cases):
+            engine.sampler.kernel = kernel  # between runs: the engine thread is idle
             params = SamplingParams(max_tokens=128, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True)
-            gen = torch.Generator().manual_seed(concurrency + (label == "greedy"))  # (no prefix shared across)
+            gen = torch.Generator().manual_seed(10 * concurrency + seed)  # (no prefix shared across)
             warm, prompts = ([torch.randint(1, 65536, (64,), generator=gen).tolist() for _ in range(concurrency)]
                              for _ in range(2))
             rates[label] = asyncio.run(generated_rate(engine, prompts, params, warm))
@@ -503,10 +511,11 @@ def bench_engine(runner, results: dict) -> None:
         engine.stop()
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
+                                               "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
-            f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy; "
-            f"runner alone {raw:,.0f}")
+            f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
+            f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; runner alone {raw:,.0f}")
 
 
 # -- the rwkv package (child process) -----------------------------------------------------------
@@ -637,15 +646,18 @@ def table(results: dict, models: list[str]) -> str:
             lines.append(f"- {name}: {'pass' if worst <= 1e-2 else '**FAIL**'} ({detail})")
     if results["engine"]:
         lines += ["", "Engine (continuous batcher, sampling on the GPU; 64-token prompts, 128 new tokens):",
-                  "", "| concurrent requests | engine tokens/s, top-p 0.9 | greedy | runner decode tokens/s |"
-                  " engine / runner, top-p / greedy |", "|---:|---:|---:|---:|---:|"]
+                  "", "| concurrent requests | engine tokens/s, top-p 0.9 | greedy | top-p, the torch sampler |"
+                  " runner decode tokens/s | engine / runner, top-p / greedy |", "|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
-            lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | {raw:,.0f} | "
+            lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
+                         f"{e['engine_torch_sampler']:,.0f} | {raw:,.0f} | "
                          f"{e['engine'] / raw:.0%} / {e['engine_greedy'] / raw:.0%} |")
     if results["sampler"]:
-        lines += ["", "Sampler alone (GPU, ms a step): " + ", ".join(f"batch {k}: {v:.2f}"
-                                                               for k, v in results["sampler"].items())]
+        lines += ["", "Sampler alone (GPU, ms a step, the tokens read back):", "",
+                  "| batch, sampling | one-launch kernel | torch lines | torch / kernel |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['kernel']:.3f} | {v['torch']:.2f} | {v['torch'] / v['kernel']:.1f}x |"
+                  for k, v in results["sampler"].items()]
     if results["explore"]:
         lines += ["", "Other paths:", ""] + [f"- {k}: {v:,.0f} tokens/s" for k, v in results["explore"].items()]
     return "\n".join(lines)

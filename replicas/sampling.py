@@ -8,6 +8,11 @@ Randomness comes from the caller as one uniform number per row (drawn from the r
 seeded generator), and a token is chosen by inverting the filtered distribution's CDF at it: a
 row's choice depends on its logits and its number alone, so a seeded request gives the same
 tokens whatever else shares the batch.
+
+Probabilities are integers: a token weighs exp(its logit - the row's best) · 2**30, rounded. Every
+sum over a row is then exact in any order, so the truncations and the CDF come out the same on
+the CPU, in torch on a GPU, and in the one-launch kernel (`sampling_kernel.py`) that a CUDA
+device runs instead of the torch lines here (they stay as its reference, and as the CPU path).
 """
 
 from __future__ import annotations
@@ -88,11 +93,17 @@ class SampleOutput:
 
 
 class Sampler:
-    """Batched sampling with per-slot penalty counts ([max_slots, V] on the logits' device)."""
+    """Batched sampling with per-slot penalty counts ([max_slots, V] on the logits' device).
 
-    def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str = "cpu"):
+    kernel: choose through sampling_kernel's one launch (None: wherever the device is CUDA), or
+    through the torch lines below (its reference; the CPU's path).
+    """
+
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str = "cpu",
+                 kernel: bool | None = None):
         self.vocab_size = vocab_size
         self.counts = torch.zeros(max_slots, vocab_size, device=device)  # decayed token counts
+        self.kernel = torch.device(device).type == "cuda" if kernel is None else kernel
 
     def reset(self, slot: int) -> None:
         self.counts[slot].zero_()
@@ -104,6 +115,11 @@ class Sampler:
         """logits [B, V] -> one token per row; updates the penalty counts of the rows' slots."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
+        if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
+            from .sampling_kernel import sample  # noqa: PLC0415 (Triton: only where a GPU is)
+
+            token_list = sample(x, self.counts, slots, params, uniforms).tolist()  # the step's one sync
+            return SampleOutput(token_list, _logprobs(x, token_list, params))
         self._apply_penalties(x, slots, params)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(params):  # no greedy row: no argmax, no copy of the random rows
@@ -158,19 +174,19 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     """Temperature, top-k, top-p, then the inverse CDF at each row's uniform number.
 
     Truncation only finds each row's smallest kept logit; the CDF is always taken in vocabulary
-    order, so a row's token never depends on what its batch-mates asked for.
+    order, over the kept tokens' integer masses, so a row's token never depends on what its
+    batch-mates asked for, nor on the order in which a device adds.
     """
     B, V = x.shape
     device = x.device
     x = x / _upload([p.temperature for p in params], device)[:, None]
+    mass = _masses(x, x.amax(-1, keepdim=True))
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
-        x = x.masked_fill(x < _cutoffs(x, k, [p.top_p for p in params]), float("-inf"))
-    cdf = torch.softmax(x, dim=-1).cumsum_(-1)
-    total = cdf[:, -1:]
-    # strictly below the total, so the first index whose CDF exceeds it exists and has mass
-    target = torch.minimum(_upload(uniforms, device, cdf.dtype)[:, None] * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
+        mass.masked_fill_(x < _cutoffs(x, mass, k, [p.top_p for p in params]), 0)
+    cdf = mass.cumsum_(-1)  # int64: exact
+    # u · total < total, so the first index whose CDF exceeds the target exists and has mass
+    target = (_upload(uniforms, device, torch.float64)[:, None] * cdf[:, -1:]).floor_().long()
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
@@ -182,48 +198,43 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
 # Few, large tensor operations: on a GPU each one costs a launch, and small batches are bound by them.
 _WINDOW = 256  # the best tokens looked at first
 _TOPK_MAX = 1024  # a top-k up to this is read from the window, widened to it; a larger one is counted
-_FIXED_POINT = 2.0**30  # probability -> int32 mass: sums are exact and order-free (deterministic on a
-# GPU); a row's masses sum to about 2**30, room to spare in int32
+MASS_SCALE = 2.0**30  # probability -> integer mass, relative to the row's best token (which weighs
+# 2**30, so a mass fits in int32): sums (int64) are exact and order-free; 2**16 tokens sum below
+# 2**53, exact in float64 too. A token lighter than 2**-31 of the best weighs 0 (never drawn).
 _DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits): three small histograms settle 32 bits
 _LOWEST = -2139095040  # _order_keys(-inf): a cut that keeps every token
 
 
-def _cutoffs(x: Tensor, k: list[int], top_p: list[float]) -> Tensor:
-    """Each row's cut: the row keeps its tokens >= the cut (top-k, then top-p). float32 x [B, V].
+def _cutoffs(x: Tensor, mass: Tensor, k: list[int], top_p: list[float]) -> Tensor:
+    """Each row's cut: the row keeps its tokens >= the cut (top-k, then top-p). float32 x [B, V],
+    its int64 masses (_masses).
 
     A token is kept when fewer than k tokens are strictly better, and when the mass of the tokens
     strictly better, renormalised over the best k, is below top_p (top_p = 1: no limit): tied
-    tokens stay or go together, and the best token always stays. Masses are integers, the
-    probabilities in units of 2**-30 (the whole vocabulary weighs 2**30), so a cut can differ from
-    exact arithmetic only for a row whose nucleus boundary lies within ~1e-6 of top_p.
+    tokens stay or go together, and the best token always stays. Masses are integers (the best
+    token weighs 2**30), so a cut can differ from exact arithmetic only for a row whose nucleus
+    boundary lies within ~1e-6 of top_p.
     Synchronises with the device once, to see whether any row needs the radix selection.
     """
     B, V = x.shape
     width = min(V, max([_WINDOW] + [kk for kk in k if kk <= _TOPK_MAX]))
     window = _WindowRows(k, top_p, width, V, x.device)
-    log_z = _log_z(x)
-    values = torch.topk(x, width, dim=-1).values  # best first; the order of a tie does not matter
-    cut, decided = window.cutoffs(values, _masses(values, log_z))
+    total = mass.sum(-1, keepdim=True)
+    values, index = torch.topk(x, width, dim=-1)  # best first; the order of a tie does not matter
+    cut, decided = window.cutoffs(values, mass.gather(1, index), total)
     undecided = int((~decided).sum())  # the one host synchronisation
     if undecided:
         rows = slice(None) if undecided == B else (~decided[:, 0]).nonzero()[:, 0]
         counted = any(width < kk < V for kk in k)  # those rows are never decided in the window
-        x = x[rows]
-        cut[rows] = _radix_cutoffs(x, _masses(x, log_z[rows]), window.k[rows], window.p[rows], counted)
+        cut[rows] = _radix_cutoffs(x[rows], mass[rows], window.k[rows], window.p[rows], total[rows], counted)
     return cut
 
 
-def _log_z(x: Tensor) -> Tensor:
-    """logsumexp over the last dimension, less the terms below e**-80 (a CPU's exp is slow there)."""
-    top = x.amax(-1, keepdim=True)
-    return (x - top).clamp_(min=-80.0).exp_().sum(-1, keepdim=True).log_().add_(top)
-
-
-def _masses(x: Tensor, log_z: Tensor) -> Tensor:
-    """Logits -> int32 masses, exp(x - log_z) * 2**30 rounded. Elementwise, so the window and the
-    radix selection agree on a token's."""
+def _masses(x: Tensor, top: Tensor) -> Tensor:
+    """Logits -> int64 masses, exp(x - top) · 2**30 rounded (top: the row's best logit).
+    Elementwise, so the window, the radix selection and the CDF agree on a token's."""
     # below e**-80 a mass rounds to 0 anyway, and a CPU's exp is slow there
-    return (x - log_z).clamp_(min=-80.0).exp_().mul_(_FIXED_POINT).round_().int()
+    return (x - top).clamp_(min=-80.0).exp_().mul_(MASS_SCALE).add_(0.5).floor_().long()
 
 
 class _WindowRows:
@@ -241,11 +252,12 @@ class _WindowRows:
         flags = _upload([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device)
         self.in_window, self.everything = flags[:, :1], flags[:, 1:]
 
-    def cutoffs(self, values: Tensor, mass: Tensor) -> tuple[Tensor, Tensor]:
-        """Cuts from each row's best tokens (values [B, W] best first, their masses [B, W]), and which
-        rows they decide: those whose top-k lies in the window, and those whose nucleus ends in it."""
+    def cutoffs(self, values: Tensor, mass: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+        """Cuts from each row's best tokens (values [B, W] best first, their masses [B, W]; the rows'
+        whole masses [B, 1]), and which rows they decide: those whose top-k lies in the window, and
+        those whose nucleus ends in it."""
         at_or_above = mass.cumsum(-1)  # the mass of each token and the better ones
-        top_k_mass = torch.where(self.in_window, at_or_above.gather(1, self.k_w - 1), int(_FIXED_POINT))
+        top_k_mass = torch.where(self.in_window, at_or_above.gather(1, self.k_w - 1), total)
         target = torch.ceil(self.p_w * top_k_mass)
         # a token is kept when the mass ahead of it (strictly better, for the first of a tie) < target
         kept = torch.minimum(((at_or_above - mass) < target).sum(-1, keepdim=True), self.k_w)
@@ -253,27 +265,27 @@ class _WindowRows:
         return cut, kept < self.limit
 
 
-def _radix_cutoffs(x: Tensor, mass: Tensor, k: Tensor, p: Tensor, counted: bool) -> Tensor:
+def _radix_cutoffs(x: Tensor, mass: Tensor, k: Tensor, p: Tensor, total: Tensor, counted: bool) -> Tensor:
     """The cuts of _cutoffs, for any rows, by radix selection (`counted`: some k must be counted)."""
     V = x.shape[1]
     key = _order_keys(x)
     if not counted:  # then the rows the window left have no top-k and a top_p < 1
-        return _key_values(_select(key, mass, torch.ceil(p * _FIXED_POINT).int()))
+        return _key_values(_select(key, mass, torch.ceil(p * total).long()))
     limited = k < V
-    kth = torch.where(limited, _select(key, None, k.int()), _LOWEST)
+    kth = torch.where(limited, _select(key, None, k.long()), _LOWEST)
     # the best k: every token from the k-th up, less the copies of the k-th (the lightest) past k
     kept = key >= kth
     kept_mass = torch.where(kept, mass, 0).sum(-1, keepdim=True)
-    at_kth = torch.where(kept, mass, torch.iinfo(torch.int32).max).amin(-1, keepdim=True)
-    top_k_mass = torch.where(limited, kept_mass - (kept.sum(-1, keepdim=True) - k) * at_kth, int(_FIXED_POINT))
-    nucleus = _select(key, mass, torch.ceil(p * top_k_mass).int())
+    at_kth = torch.where(kept, mass, torch.iinfo(torch.int64).max).amin(-1, keepdim=True)
+    top_k_mass = torch.where(limited, kept_mass - (kept.sum(-1, keepdim=True) - k) * at_kth, total)
+    nucleus = _select(key, mass, torch.ceil(p * top_k_mass).long())
     return _key_values(torch.where(p < 1.0, torch.maximum(kth, nucleus), kth))
 
 
 def _select(key: Tensor, weight: Tensor | None, target: Tensor) -> Tensor:
     """Per row, the smallest key a (any int32, token or not) such that the tokens above a weigh less
-    than target (int32 [B, 1], at least 1): the row's tokens with key >= a are exactly those whose
-    better tokens weigh < target. weight: int32 [B, V], or None to count tokens. Returns int64 [B, 1].
+    than target (int64 [B, 1], at least 1): the row's tokens with key >= a are exactly those whose
+    better tokens weigh < target. weight: int64 [B, V], or None to count tokens. Returns int64 [B, 1].
 
     The weight above a only shrinks as a grows, so a is found a digit at a time, high bits first:
     each round histograms the tokens that share a's bits so far, by their next digit.
@@ -283,10 +295,10 @@ def _select(key: Tensor, weight: Tensor | None, target: Tensor) -> Tensor:
         high = key >> shift if shift else key
         if prefix is None:
             digit = high + (1 << (31 - shift))  # the sign bit flipped: digits in key order
-            w = torch.ones_like(key) if weight is None else weight
+            w = torch.ones_like(key, dtype=torch.int64) if weight is None else weight
         else:  # the tokens outside the bucket weigh nothing now, and are spread over all digits
             digit, inside = high & ((1 << bits) - 1), high_before == prefix.int()
-            w = inside.int() if weight is None else torch.where(inside, weight, 0)
+            w = inside.long() if weight is None else torch.where(inside, weight, 0)
         d, above = _lightest_digit(digit, w, bits, above, target)
         prefix = d - (1 << (31 - shift)) if prefix is None else (prefix << bits) + d
         high_before = high
@@ -296,7 +308,7 @@ def _select(key: Tensor, weight: Tensor | None, target: Tensor) -> Tensor:
 def _lightest_digit(digit: Tensor, weight: Tensor, bits: int, above: Tensor | int,
                     target: Tensor) -> tuple[Tensor, Tensor]:
     """The lowest digit whose heavier digits and `above` weigh < target, and that weight."""
-    hist = torch.zeros(digit.shape[0], 1 << bits, device=digit.device, dtype=torch.int32)
+    hist = torch.zeros(digit.shape[0], 1 << bits, device=digit.device, dtype=torch.int64)
     below = hist.scatter_add_(1, digit.long(), weight).cumsum_(-1)  # weight at or below each digit
     slack = above + below[:, -1:] - target  # weight above a digit >= target  <=>  below it <= slack
     d = (below <= slack).sum(-1, keepdim=True)  # that weight only shrinks: d is the lowest digit < target

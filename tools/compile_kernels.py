@@ -1,4 +1,4 @@
-"""Compiles every Triton kernel launch of the CUDA runner for an H200 (sm_90) on a machine without
+"""Compiles every Triton kernel launch of the CUDA runner (and the sampler's) for an H200 (sm_90) on a machine without
 a GPU, so that Triton's type and shape errors surface before a device call.
 
 The CPU interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic but not Triton's compiler:
@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64"}
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32", torch.int64: "i64"}
 
 
 @contextmanager
@@ -70,7 +70,7 @@ def _source(kernel, args, kwargs):
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     names = kernel.arg_names
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch attribute: the kernel's PDL constexpr says what it compiles
     bound = dict(zip(names, args, strict=False)) | kwargs
     constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}
@@ -117,6 +117,16 @@ def exercise_runner() -> list:
     return launches
 
 
+def exercise_sampler() -> list:
+    """The sampler's kernel (sampling_kernel.py) on the CPU, every branch of a row; its launches."""
+    from replicas.sampling import Sampler, SamplingParams  # noqa: PLC0415
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, top_k=40, presence_penalty=0.5)]
+    with recorded_launches() as launches:
+        Sampler(2, 65536, kernel=True).sample(torch.zeros(2, 65536), [0, 1], params, [0.5, 0.5])
+    return launches
+
+
 def resource_use(cubin: bytes) -> dict[str, int]:
     """Registers per thread (REG), stack frame bytes per thread (STACK: spills) and local arrays
     (LOCAL) of the cubin's kernel, from cuobjdump; empty if the tool is missing."""
@@ -157,7 +167,7 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    failures = compile_all(exercise_runner())
+    failures = compile_all(exercise_runner() + exercise_sampler())
     print(f"{len(failures)} launch(es) failed to compile for sm_90" if failures else "every launch compiles for sm_90")
     return 1 if failures else 0
 

@@ -24,8 +24,8 @@ def test_every_launch_compiles_for_sm90():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import compile_kernels  # noqa: PLC0415
 
-    launches = compile_kernels.exercise_runner()
+    launches = compile_kernels.exercise_runner() + compile_kernels.exercise_sampler()
     names = {kernel.fn.__name__ for kernel, _, _ in launches}
     assert {"_gemv_kernel", "_gemv_fma_kernel", "_wkv_decode_kernel", "_ln_shift_mix_kernel",
-            "_wkv_recurrent_kernel"} <= names  # every path was exercised
+            "_wkv_recurrent_kernel", "_sample_kernel"} <= names  # every path was exercised
     assert compile_kernels.compile_all(launches) == []

@@ -108,18 +108,24 @@ def sorted_cutoffs(x: torch.Tensor, k: list[int], top_p: list[float]) -> torch.T
 
 def radix_cutoffs(x: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
     """Every row through the radix selection, none decided in the window."""
-    from replicas.sampling import _log_z, _masses, _radix_cutoffs
+    from replicas.sampling import _masses, _radix_cutoffs
 
     k_t, p_t = torch.tensor(k)[:, None], torch.tensor(top_p, dtype=torch.float64)[:, None]
-    return _radix_cutoffs(x, _masses(x, _log_z(x)), k_t, p_t, counted=True)
+    mass = _masses(x, x.amax(-1, keepdim=True))
+    return _radix_cutoffs(x, mass, k_t, p_t, mass.sum(-1, keepdim=True), counted=True)
+
+
+def window_cutoffs(x: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The sampler's own way: rows decided in their best tokens, the rest by radix selection."""
+    from replicas.sampling import _cutoffs, _masses
+
+    return _cutoffs(x, _masses(x, x.amax(-1, keepdim=True)), k, top_p)
 
 
 def assert_cutoffs_match(x: torch.Tensor, k: list[int], top_p: list[float], cutoffs=None) -> int:
     """The cut-offs keep exactly the reference's tokens, but where a row's nucleus boundary is
     within float rounding of top_p; returns how many rows were that close."""
-    from replicas.sampling import _cutoffs
-
-    kept = (x >= (cutoffs or _cutoffs)(x, k, top_p)).sum(-1)
+    kept = (x >= (cutoffs or window_cutoffs)(x, k, top_p)).sum(-1)
     strict = (x >= sorted_cutoffs(x, k, [p * (1 - 1e-6) if p < 1.0 else p for p in top_p])).sum(-1)
     loose = (x >= sorted_cutoffs(x, k, [min(p * (1 + 1e-6), 1.0) for p in top_p])).sum(-1)
     assert ((strict <= kept) & (kept <= loose)).all(), (kept, strict, loose)  # kept sets are nested
@@ -165,12 +171,10 @@ def test_cutoffs_on_awkward_values():
 def test_the_window_and_the_radix_selection_agree():
     """A row is decided in its best tokens or by radix selection, by what its batch-mates ask
     for: both ways must keep the same tokens."""
-    from replicas.sampling import _cutoffs
-
     gen = torch.Generator().manual_seed(7)
     vocab = 3000
     x = torch.randn(32, vocab, generator=gen) * torch.tensor([0.5, 3, 10, 30] * 8)[:, None]
     x[::3] = x[::3].round()
     k = [[vocab, 1, 7, 200, 1000][i % 5] for i in range(32)]
     p = [[0.9, 0.5, 1.0, 0.05, 0.99, 0.3, 0.999][i % 7] for i in range(32)]
-    assert torch.equal(x >= _cutoffs(x, k, p), x >= radix_cutoffs(x, k, p))
+    assert torch.equal(x >= window_cutoffs(x, k, p), x >= radix_cutoffs(x, k, p))

@@ -1,0 +1,206 @@
+"""The sampler's choice in one launch on a CUDA device: penalties, argmax or temperature, top-k,
+top-p, the inverse CDF, and the penalty counts' update, for every row of a batch.
+
+Computes exactly what sampling.py's torch lines define (they are its reference, and tests/gpu
+holds the two against each other); decides nothing of its own. Those lines cost about 130
+launches and their host time a step with top-p (3-4 ms at 64 rows on the H200 machine's host);
+this costs one launch, one upload and the read of the tokens.
+
+One program per row. It reads the row's logits once for the penalties and the best logit, once
+more to write each token's key (sampling._order_keys) and integer mass (sampling._masses) to
+scratch rows, then reads those for the cuts: each search settles a few bits of the cut's 32-bit
+key a pass, as sampling._select does with histograms, here by summing the weight above a few
+candidates. Masses are integers, so every sum is exact in any order, and a token's mass is
+computed alike here and in torch (the same exp, IEEE division, no fused multiply-add): the two
+choose the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra.cuda import libdevice
+
+from .sampling import _LOWEST, MASS_SCALE, SamplingParams, _upload
+
+BLOCK = 2048  # tokens a program reads at once
+BITS = 2  # key bits a search settles a pass: 2**BITS candidates a pass, 32 / BITS passes
+WARPS = 8
+_FIELDS = 10  # per-row parameters, as float64: see _params
+_SCALE = tl.constexpr(MASS_SCALE)
+_KEY_OF_MINUS_INF = tl.constexpr(_LOWEST)
+_INT32_MIN, _INT32_MAX, _INT64_MAX = tl.constexpr(-(2**31)), tl.constexpr(2**31 - 1), tl.constexpr(2**63 - 1)
+
+
+def sample(x: Tensor, counts: Tensor, slots: Sequence[int], params: Sequence[SamplingParams],
+           uniforms: Sequence[float]) -> Tensor:
+    """One token per row of x (float32 [B, V], the biases added; the penalties are subtracted
+    from it in place). Updates the penalised rows' counts (float32 [slots, V]). Returns int64 [B]
+    on the device, queued: nothing here waits for the GPU."""
+    B, V = x.shape
+    assert x.is_contiguous() and counts.is_contiguous() and counts.shape[1] == V
+    tokens = torch.empty(B, dtype=torch.int64, device=x.device)
+    keys = torch.empty(B, V, dtype=torch.int32, device=x.device)  # scratch: each token's key
+    masses = torch.empty(B, V, dtype=torch.int32, device=x.device)  # and its mass
+    table = _upload(np.array(_params(slots, params, uniforms, V), dtype=np.float64), x.device)
+    _sample_kernel[(B,)](x, keys, masses, counts, table, tokens, V=V, BLOCK=BLOCK, BITS=BITS, FIELDS=_FIELDS,
+                         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS,
+                         enable_fp_fusion=False)  # torch rounds each product and sum on its own
+    return tokens
+
+
+def _params(slots: Sequence[int], params: Sequence[SamplingParams], uniforms: Sequence[float],
+            V: int) -> list[tuple]:
+    """A row's fields, in _sample_kernel's order. Every value is exact as a float64, and a float
+    field rounds to float32 there as torch.tensor rounds it in the torch lines."""
+    return [(p.temperature, p.top_p, u, p.presence_penalty, p.frequency_penalty, p.penalty_decay,
+             slot, p.top_k if 0 < p.top_k < V else V, p.greedy, p.penalized)
+            for slot, p, u in zip(slots, params, uniforms, strict=True)]
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    """float32 exp as torch computes it on a GPU (the interpreter has numpy's)."""
+    if INTERPRET:
+        e = tl.exp(x)
+    else:
+        e = libdevice.exp(x)
+    return e
+
+
+@triton.jit
+def _select(K, M, V: tl.constexpr, target, COUNT: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """sampling._select for one row (its keys K, masses M): the smallest key a whose heavier tokens
+    weigh < target (their masses, or with COUNT their number). Each pass splits the range left
+    for a into 2**BITS parts and keeps the first part whose top end satisfies that."""
+    CANDIDATES: tl.constexpr = 1 << BITS
+    PASSES: tl.constexpr = (32 + BITS - 1) // BITS
+    offs = tl.arange(0, BLOCK)
+    part = tl.arange(0, CANDIDATES).to(tl.int64)
+    base = tl.full([], _INT32_MIN, tl.int64)  # a lies in [base, base + 2**(BITS · passes left))
+    for i in range(PASSES):
+        shift = BITS * (PASSES - 1 - i)
+        top_end = tl.minimum(base + ((part + 1) << shift) - 1, _INT32_MAX).to(tl.int32)
+        above = tl.zeros([BLOCK, CANDIDATES], tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            key = tl.load(K + idx, mask=inside, other=_INT32_MIN)  # above no candidate
+            if COUNT:
+                weight = inside.to(tl.int64)
+            else:
+                weight = tl.load(M + idx, mask=inside, other=0).to(tl.int64)
+            above += tl.where(key[:, None] > top_end[None, :], weight[:, None], 0)
+        heavy = tl.sum(above, axis=0) >= target  # the parts whose top end is still too low
+        base += tl.sum(heavy.to(tl.int64), axis=0) << shift
+    return base.to(tl.int32)
+
+
+@triton.jit
+def _sample_kernel(X, KEYS, MASSES, COUNTS, PARAMS, TOKENS, V: tl.constexpr, BLOCK: tl.constexpr,
+                   BITS: tl.constexpr, FIELDS: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    P = PARAMS + row * FIELDS
+    temperature = tl.load(P + 0).to(tl.float32)
+    top_p = tl.load(P + 1)  # float64, as the torch lines' _WindowRows.p
+    uniform = tl.load(P + 2)
+    presence = tl.load(P + 3).to(tl.float32)
+    frequency = tl.load(P + 4).to(tl.float32)
+    decay = tl.load(P + 5).to(tl.float32)
+    slot = tl.load(P + 6).to(tl.int64)
+    top_k = tl.load(P + 7).to(tl.int64)
+    greedy = tl.load(P + 8) != 0
+    penalized = tl.load(P + 9) != 0
+    Xr, Kr, Mr = X + row.to(tl.int64) * V, KEYS + row.to(tl.int64) * V, MASSES + row.to(tl.int64) * V
+    Cr = COUNTS + slot * V
+    offs = tl.arange(0, BLOCK)
+
+    # the penalties (Sampler._apply_penalties), in place; the best logit and its first index
+    best = tl.full([], -float("inf"), tl.float32)
+    token = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        inside = idx < V
+        x = tl.load(Xr + idx, mask=inside, other=-float("inf"))
+        if penalized:
+            c = tl.load(Cr + idx, mask=inside, other=0.0)
+            x = x - (presence * (c > 0).to(tl.float32) + frequency * c)
+            tl.store(Xr + idx, x, mask=inside)
+        block_best = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == block_best, idx, V), axis=0).to(tl.int64)
+        token = tl.where(block_best > best, first, token)
+        best = tl.maximum(best, block_best)
+    tl.debug_barrier()  # the penalised logits, written by every thread, are read by any below
+
+    if not greedy:  # sampling._sample_rows
+        # each token's key and mass (sampling._order_keys, sampling._masses), and the row's mass
+        top = tl.math.div_rn(best, temperature)  # dividing by T > 0 keeps the order
+        masses = tl.zeros([BLOCK], tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            y = tl.math.div_rn(tl.load(Xr + idx, mask=inside, other=0.0), temperature)
+            bits = y.to(tl.int32, bitcast=True)
+            tl.store(Kr + idx, tl.where(bits < 0, _INT32_MIN - bits, bits), mask=inside)
+            mass = tl.floor(_exp(tl.maximum(y - top, -80.0), INTERPRET) * _SCALE + 0.5).to(tl.int32)
+            tl.store(Mr + idx, mass, mask=inside)
+            masses += tl.where(inside, mass, 0)
+        total = tl.sum(masses, axis=0)
+        tl.debug_barrier()
+
+        # top-k: the k-th key, and the best k's mass (sampling._radix_cutoffs)
+        kth = tl.full([], _KEY_OF_MINUS_INF, tl.int32)
+        top_k_mass = total
+        if top_k < V:
+            kth = _select(Kr, Mr, V, top_k, True, BLOCK, BITS)
+            counts = tl.zeros([BLOCK], tl.int64)
+            kept_mass = tl.zeros([BLOCK], tl.int64)
+            lightest = tl.full([BLOCK], _INT64_MAX, tl.int64)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                inside = idx < V
+                mass = tl.load(Mr + idx, mask=inside, other=0).to(tl.int64)
+                kept = (tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= kth) & inside
+                counts += kept.to(tl.int64)
+                kept_mass += tl.where(kept, mass, 0)
+                lightest = tl.minimum(lightest, tl.where(kept, mass, _INT64_MAX))
+            past_k = tl.sum(counts, axis=0) - top_k  # copies of the k-th past the best k
+            top_k_mass = tl.sum(kept_mass, axis=0) - past_k * tl.min(lightest, axis=0)
+        cut = kth
+        if top_p < 1.0:
+            target = tl.math.ceil(top_p * top_k_mass.to(tl.float64)).to(tl.int64)
+            cut = tl.maximum(kth, _select(Kr, Mr, V, target, False, BLOCK, BITS))
+
+        # the inverse CDF over the kept tokens' masses, in vocabulary order
+        kept_masses = tl.zeros([BLOCK], tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            kept = tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= cut
+            kept_masses += tl.where(kept, tl.load(Mr + idx, mask=inside, other=0).to(tl.int64), 0)
+        kept_total = tl.sum(kept_masses, axis=0)
+        target = tl.floor(uniform * kept_total.to(tl.float64)).to(tl.int64)
+        below = tl.full([], 0, tl.int64)  # the kept mass before this block
+        token = tl.full([], V, tl.int64)  # V: not found yet
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            kept = tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= cut
+            mass = tl.where(kept, tl.load(Mr + idx, mask=inside, other=0).to(tl.int64), 0)
+            past = (below + tl.cumsum(mass, axis=0)) > target
+            token = tl.minimum(token, tl.min(tl.where(past, idx, V), axis=0).to(tl.int64))
+            below += tl.sum(mass, axis=0)
+    tl.store(TOKENS + row, token)
+
+    if penalized:  # Sampler._record: every count decays, the chosen token's grows by one
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            c = tl.load(Cr + idx, mask=inside, other=0.0) * decay
+            tl.store(Cr + idx, tl.where(idx == token, c + 1.0, c), mask=inside)
