@@ -104,6 +104,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.counts = torch.zeros(max_slots, vocab_size, device=device)  # decayed token counts
         self.kernel = torch.device(device).type == "cuda" if kernel is None else kernel
+        self._slot_params = None  # sampling_kernel.SlotParams, made at the kernel's first call
 
     def reset(self, slot: int) -> None:
         self.counts[slot].zero_()
@@ -116,9 +117,12 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
         if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
-            from .sampling_kernel import sample  # noqa: PLC0415 (Triton: only where a GPU is)
+            from .sampling_kernel import SlotParams, sample  # noqa: PLC0415 (Triton: only where a GPU is)
 
-            token_list = sample(x, self.counts, slots, params, uniforms).tolist()  # the step's one sync
+            if self._slot_params is None:
+                self._slot_params = SlotParams(self.counts.shape[0], self.vocab_size, self.counts.device)
+            self._slot_params.update(slots, params)
+            token_list = sample(x, self.counts, self._slot_params.table, slots, params, uniforms).tolist()  # one sync
             return SampleOutput(token_list, _logprobs(x, token_list, params))
         self._apply_penalties(x, slots, params)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -54,6 +54,7 @@ def test_kernel_chooses_as_the_torch_lines(vocab, shape):
     torch_lines = Sampler(len(params), vocab, DEVICE, kernel=False)
     kernel = Sampler(len(params), vocab, DEVICE, kernel=True)
     for _ in range(4):  # the penalty counts build up over the steps
+        params = params[1:] + params[:1]  # and each slot's parameters change: its table row follows
         logits = rows(vocab, shape, gen).to(DEVICE)
         uniforms = torch.rand(len(params), generator=gen).tolist()
         ours = kernel.sample(logits, slots, params, uniforms)
