@@ -31,6 +31,11 @@ class OutputStream:
         self.held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.count = 0  # tokens sampled so far, end tokens included
 
+    def goes_on(self, token: int) -> bool:
+        """Whether the row may go on after this token (before push): False when push will end it
+        by an end token or max_tokens; a stop string can still end it where this says True."""
+        return token not in self.end_tokens and self.count + 1 < self.params.max_tokens
+
     def push(self, token: int) -> Step:
         """Takes the next sampled token (every row, every step: without stop strings, no search)."""
         self.count += 1
