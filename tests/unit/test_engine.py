@@ -525,3 +525,23 @@ def test_runner_state_matches_consumed_tokens_after_finish(parts):
         assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
     finally:
         engine.stop()
+
+
+def test_runner_state_matches_consumed_tokens_after_a_stop_string(parts):
+    """A row goes on to the model before its text is made, so the token that completes a stop
+    string was fed too: the state published is the model's after prompt + every generated token."""
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=1)
+    try:
+        prompt = tok.encode(PROMPTS[0])
+        free = run(collect(engine, Request(prompt, GREEDY)))
+        words = [tok.decode([t]) for t in free.tokens]
+        i = next(i for i in range(4, len(words) - 2) if words[i].strip() and free.text.count(words[i]) == 1)
+        result = run(collect(engine, Request(prompt, SamplingParams(max_tokens=24, temperature=0.0, stop=(words[i],)))))
+        settle(engine)
+        assert result.finished.reason == "stop" and result.tokens == free.tokens[: i + 1]
+        ours = engine.call(lambda: engine.runner.read_state(0))
+        ref = _state_after(parts, prompt + result.tokens)
+        assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.stop()
