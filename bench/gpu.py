@@ -17,9 +17,9 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     + logits written, flops = 2 · rows · parameters used;
   * the engine (replicas.engine.Engine, no Ray): concurrent requests → generated tokens/s, next to
     the runner's raw decode rate at that batch, which shows what the scheduler costs; sampled with
-    top-p 0.9 (a random model's flat rows take the sampler's slow path, which a trained model's
-    peaked rows rarely need) and greedy (the scheduler without that); and the sampler alone, its
-    one-launch kernel next to its torch lines.
+    top-p 0.9 (a random model's flat rows are the sampler's worst case: the nucleus spans most
+    of the vocabulary), greedy, and top-p through the sampler's torch lines; and the sampler
+    alone, its one-launch kernel next to its torch lines.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
 
