@@ -1,5 +1,5 @@
-"""Serving on the GPU: greedy text equal to the CPU path, the engine on the CUDA runner, and the
-sampler on the GPU choosing what it chooses on the CPU.
+"""Serving on the GPU: greedy text equal to the CPU path, and the engine on the CUDA runner (the
+sampler on the GPU against the CPU: test_sampling_kernel.py).
 
 The demo model (models/demo) when present, else the random model with peaked logits.
 """
@@ -13,7 +13,7 @@ import torch
 
 from replicas.engine import Delta, Engine, EngineConfig, Request
 from replicas.model.loader import default_model_dir, open_model
-from replicas.sampling import Sampler, SamplingParams
+from replicas.sampling import SamplingParams
 from tests.prompts import PYTHON_PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -84,30 +84,3 @@ def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy):
     finally:
         engine.stop()
     assert results == expected
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_sampler_on_the_gpu_chooses_as_on_the_cpu(seed):
-    V = 65536
-    gen = torch.Generator().manual_seed(seed)
-    params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.8, top_p=0.9),
-        SamplingParams(temperature=1.2, top_k=40),
-        SamplingParams(temperature=1.0, top_p=0.5, top_k=100, presence_penalty=0.5, frequency_penalty=0.3),
-        SamplingParams(temperature=0.7, logit_bias={5: 20.0, 6: -100.0}),
-        SamplingParams(temperature=1.0, frequency_penalty=1.5, penalty_decay=0.9, logprobs=3),
-    ]
-    slots = [3, 0, 5, 1, 2, 4]
-    cpu, gpu = Sampler(6, V, "cpu"), Sampler(6, V, "cuda")
-    for _ in range(6):
-        logits = torch.randn(len(params), V, generator=gen) * 3
-        uniforms = torch.rand(len(params), generator=gen).tolist()
-        a = cpu.sample(logits, slots, params, uniforms)
-        b = gpu.sample(logits.cuda(), slots, params, uniforms)
-        assert a.tokens == b.tokens
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert abs(x.logprob - y.logprob) < 1e-3
-    assert torch.allclose(cpu.counts, gpu.counts.cpu())

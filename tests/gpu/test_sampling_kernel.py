@@ -65,6 +65,27 @@ def test_kernel_chooses_as_the_torch_lines(vocab, shape):
     assert kernel.counts.abs().sum() > 0  # the penalised rows counted something
 
 
+@pytest.mark.skipif(not CUDA, reason="the CPU against a GPU")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_gpu_chooses_as_the_cpu(seed):
+    """The kernel on the GPU against the torch lines on the CPU: another exp, the same tokens."""
+    V = 65536
+    gen = torch.Generator().manual_seed(seed)
+    slots = list(range(len(PARAMS)))[::-1]
+    cpu, gpu = Sampler(len(PARAMS), V, "cpu"), Sampler(len(PARAMS), V, "cuda")
+    for _ in range(6):
+        logits = torch.randn(len(PARAMS), V, generator=gen) * 3
+        uniforms = torch.rand(len(PARAMS), generator=gen).tolist()
+        a = cpu.sample(logits, slots, PARAMS, uniforms)
+        b = gpu.sample(logits.cuda(), slots, PARAMS, uniforms)
+        assert a.tokens == b.tokens
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert abs(x.logprob - y.logprob) < 1e-3
+    assert torch.allclose(cpu.counts, gpu.counts.cpu())
+
+
 def test_kernel_follows_the_distribution():
     """Uniform numbers spread over [0, 1) pick each token as often as its probability."""
     vocab, draws = 40, 2000
