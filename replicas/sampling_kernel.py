@@ -97,6 +97,14 @@ def _exp(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _kept(K, M, idx, inside, cut):
+    """A block of a row's tokens at or above the cut key (K, M: the row's keys and masses): which
+    they are, and their masses as int64 (0 for the others)."""
+    kept = (tl.load(K + idx, mask=inside, other=_INT32_MIN) >= cut) & inside
+    return kept, tl.where(kept, tl.load(M + idx, mask=inside, other=0).to(tl.int64), 0)
+
+
+@triton.jit
 def _select(K, M, V: tl.constexpr, target, COUNT: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
             STAGES: tl.constexpr):
     """sampling._select for one row (its keys K, masses M): the smallest key a whose heavier tokens
@@ -187,11 +195,9 @@ def _sample_kernel(X, KEYS, MASSES, COUNTS, TABLE, ROWS, TOKENS, B, V: tl.conste
             lightest = tl.full([BLOCK], _INT64_MAX, tl.int64)
             for start in range(0, V, BLOCK):
                 idx = start + offs
-                inside = idx < V
-                mass = tl.load(Mr + idx, mask=inside, other=0).to(tl.int64)
-                kept = (tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= kth) & inside
+                kept, mass = _kept(Kr, Mr, idx, idx < V, kth)
                 counts += kept.to(tl.int64)
-                kept_mass += tl.where(kept, mass, 0)
+                kept_mass += mass
                 lightest = tl.minimum(lightest, tl.where(kept, mass, _INT64_MAX))
             past_k = tl.sum(counts, axis=0) - top_k  # copies of the k-th past the best k
             top_k_mass = tl.sum(kept_mass, axis=0) - past_k * tl.min(lightest, axis=0)
@@ -204,18 +210,14 @@ def _sample_kernel(X, KEYS, MASSES, COUNTS, TABLE, ROWS, TOKENS, B, V: tl.conste
         kept_masses = tl.zeros([BLOCK], tl.int64)
         for start in range(0, V, BLOCK):
             idx = start + offs
-            inside = idx < V
-            kept = tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= cut
-            kept_masses += tl.where(kept, tl.load(Mr + idx, mask=inside, other=0).to(tl.int64), 0)
+            kept_masses += _kept(Kr, Mr, idx, idx < V, cut)[1]
         kept_total = tl.sum(kept_masses, axis=0)
         target = tl.floor(uniform * kept_total.to(tl.float64)).to(tl.int64)
         below = tl.full([], 0, tl.int64)  # the kept mass before this block
         token = tl.full([], V, tl.int64)  # V: not found yet
         for start in range(0, V, BLOCK):
             idx = start + offs
-            inside = idx < V
-            kept = tl.load(Kr + idx, mask=inside, other=_INT32_MIN) >= cut
-            mass = tl.where(kept, tl.load(Mr + idx, mask=inside, other=0).to(tl.int64), 0)
+            mass = _kept(Kr, Mr, idx, idx < V, cut)[1]
             past = (below + tl.cumsum(mass, axis=0)) > target
             token = tl.minimum(token, tl.min(tl.where(past, idx, V), axis=0).to(tl.int64))
             below += tl.sum(mass, axis=0)
