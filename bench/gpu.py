@@ -310,6 +310,24 @@ def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
     return batch * steps / elapsed
 
 
+def live_share(runner, steps: int = 8) -> float:
+    """The share of hidden units whose rows of the value matrix a one-row decode step reads (the
+    live-rows kernel skips those whose relu² is 0): the mean over layers and steps, graphs off."""
+    from replicas.model import kernels as K  # noqa: PLC0415
+
+    shares, run = [], K.gemv_live_rows
+
+    def counting(a, wt, y, m, **kwargs):
+        shares.append((a[:m] != 0).any(0).float().mean().item())
+        return run(a, wt, y, m, **kwargs)
+
+    runner.reset(0)
+    with overridden(K, gemv_live_rows=counting), overridden(runner, graphs=False):
+        for token in torch.randint(0, runner.vocab_size, (steps,)).tolist():
+            runner.decode([0], [token])
+    return sum(shares) / len(shares)
+
+
 def time_prefill(runner, rows: int, length: int, reps: int = 3, graph: bool = True, fresh: bool = True) -> float:
     """New prompts (rows from the zero state, whose first token takes the fp32 path: see
     cuda_runner.prefill), or with fresh=False rows that go on from their states (a cached prefix),
@@ -365,6 +383,13 @@ def bench_ours(name: str, args, results: dict) -> None:
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
+    if not late(args):  # what the live-rows value product reads, and the step without it
+        results["live_rows"][name] = share = live_share(runner)
+        with overridden(runner, live_rows=False):
+            rate = time_decode(runner, 1)
+        results["explore"][f"{name}|decode 1, the value product reading every hidden unit"] = rate
+        say(f"{name}: the value product reads {share:.1%} of the hidden units at one decode row; "
+            f"reading all of them, decode 1: {rate:,.0f} tokens/s")
     for batch in (64, 256):  # cuBLAS's products written in fp16 instead (what fp32_outputs_decode buys)
         if late(args):
             break
@@ -644,6 +669,9 @@ def table(results: dict, models: list[str]) -> str:
             worst = max(v for k, v in errs.items() if not k.startswith("("))
             detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
             lines.append(f"- {name}: {'pass' if worst <= 1e-2 else '**FAIL**'} ({detail})")
+    if results["live_rows"]:
+        lines += ["", "Hidden units whose value rows a one-row decode step reads (relu² not 0; random "
+                  "weights): " + ", ".join(f"{k} {v:.1%}" for k, v in results["live_rows"].items())]
     if results["engine"]:
         lines += ["", "Engine (continuous batcher, sampling on the GPU; 64-token prompts, 128 new tokens):",
                   "", "| concurrent requests | engine tokens/s, top-p 0.9 | greedy | top-p, the torch sampler |"
@@ -685,7 +713,7 @@ def main() -> None:
     models = args.models.split(",")
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "ours": {}, "rwkv": {}, "exactness": {}, "exactness_rows": {}, "engine": {}, "explore": {},
-               "sampler": {}}
+               "sampler": {}, "live_rows": {}}
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     torch.backends.cudnn.allow_tf32 = False
     results["ceilings"] = measure_ceilings()

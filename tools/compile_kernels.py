@@ -162,7 +162,7 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
             print(f"ok    {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}", flush=True)
         except Exception as error:  # noqa: BLE001 - every compiler error is a finding to report
             failures.append((label, str(error)))
-            print(f"FAIL  {label}\n{error}", flush=True)
+            print(f"FAIL  {label}\n{error}\n{error.__cause__!r}", flush=True)
     return failures
 
 

@@ -2,6 +2,7 @@
 
 - gemv: FMA programs (W through a TMA descriptor, one tile or a pipelined loop over K), tensor-core
   tiles; store and atomic-add epilogues; grouped (per-block input columns, K and activation).
+- gemv_live_rows (W stored [K, N], one or two rows): the rows of W whose input is 0 are not read.
 - ln_shift_mix: a program a token (columns spread over programs) and the rows kernel (a program a
   run of tokens), in decode (x and the shift updated in place) and in ragged prefill.
 
@@ -66,6 +67,43 @@ def test_grouped_blocks_take_their_own_columns_k_and_activation(config):
     for width, col, k, act, row in groups:
         ref = reference(a[:, col:col + k], w[row:row + width, :k], act)
         assert close(y[:, row:row + width], ref, tol), (width, col, k, act)
+
+
+LIVE_CONFIGS = {
+    "one-part": lambda: K.LiveRowsConfig(block_k=64, block_n=32, per_sm=1, warps=2, stages=2),
+    "split": lambda: K.LiveRowsConfig(block_k=32, block_n=64, per_sm=4, warps=2, stages=3),
+}
+
+
+def relu2_rows(m, k, seed):
+    """m rows of relu(·)² inputs: about half of each row exactly 0, at different places per row."""
+    torch.manual_seed(seed)
+    return torch.randn(m, k, device=DEVICE).relu() ** 2
+
+
+@pytest.mark.parametrize("config", LIVE_CONFIGS)
+@pytest.mark.parametrize("m", [1, 2])
+def test_live_rows_adds_a_times_the_transposed_weight(config, m):
+    a = relu2_rows(m, 256, seed=m)
+    wt = torch.randn(256, 192, device=DEVICE).half()
+    base = torch.randn(m, 192, device=DEVICE)
+    y = K.gemv_live_rows(a, wt, base.clone(), m, n_sm=4, config=LIVE_CONFIGS[config]())
+    assert close(y, base.double() + a.double() @ wt.double(), 1e-5)
+
+
+@pytest.mark.parametrize("config", LIVE_CONFIGS)
+def test_live_rows_never_read_a_row_whose_input_is_zero_in_every_row(config):
+    """Rows of W that no row of a needs are NaN: the result stays finite and right. Row 1 of a is
+    live where row 0 is not, so a kernel that looked at one row of a only would go wrong."""
+    a = relu2_rows(2, 256, seed=3)
+    a[1, :128] = torch.where(a[0, :128] == 0, 1.0, 0.0)
+    dead = (a == 0).all(0)
+    assert 32 < dead.sum() < 224
+    wt = torch.randn(256, 128, device=DEVICE).half()
+    ref = a.double() @ wt.double()
+    wt[dead] = float("nan")
+    y = K.gemv_live_rows(a, wt, torch.zeros(2, 128, device=DEVICE), 2, config=LIVE_CONFIGS[config]())
+    assert close(y, ref, 1e-5)
 
 
 def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):
