@@ -384,12 +384,15 @@ def bench_ours(name: str, args, results: dict) -> None:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
     if not late(args):  # what the live-rows value product reads, and the step without it
-        results["live_rows"][name] = share = live_share(runner)
-        with overridden(runner, live_rows=False):
-            rate = time_decode(runner, 1)
-        results["explore"][f"{name}|decode 1, the value product reading every hidden unit"] = rate
-        say(f"{name}: the value product reads {share:.1%} of the hidden units at one decode row; "
-            f"reading all of them, decode 1: {rate:,.0f} tokens/s")
+        try:
+            results["live_rows"][name] = share = live_share(runner)
+            with overridden(runner, live_rows=False):
+                rate = time_decode(runner, 1)
+            results["explore"][f"{name}|decode 1, the value product reading every hidden unit"] = rate
+            say(f"{name}: the value product reads {share:.1%} of the hidden units at one decode row; "
+                f"reading all of them, decode 1: {rate:,.0f} tokens/s")
+        except Exception:
+            say(f"{name}: live rows FAILED\n{traceback.format_exc(limit=4)}")
     for batch in (64, 256):  # cuBLAS's products written in fp16 instead (what fp32_outputs_decode buys)
         if late(args):
             break
