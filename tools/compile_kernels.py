@@ -103,7 +103,8 @@ def exercise_runner() -> list:
     model = init_random(RWKV7(ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64)), seed=0).eval()
     with recorded_launches() as launches, torch.no_grad():
         for dtype in (torch.float16, torch.bfloat16):
-            runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False)
+            runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False,
+                                live_rows=True)
             runner.pdl = True  # what an H200 runs
             for rows, small in ((1, 16), (2, 16), (3, 16), (8, 0)):  # FMA gemv (1, 2), tensor cores, cuBLAS
                 runner.small_batch = small

@@ -71,6 +71,10 @@ SECOND_IN_CORE_ROWS = 2
 EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 16  # prefill shapes (row lengths) kept as CUDA graphs, least recently used dropped
+# The live-rows value product (kernels.gemv_live_rows) by default where W_v has at least this many
+# bytes. H200, one decode row, half the hidden units live (docs/gpu.md): 1.5B (34 MB) 961 -> 1,023
+# tokens/s, 7.2B (134 MB) 254 -> 278, 0.1B (4.7 MB) 3,778 -> 3,630 (its programs too small to stream).
+LIVE_ROWS_MIN_BYTES = 16 << 20
 
 
 @dataclass
@@ -93,7 +97,7 @@ class _Layer:
     wo: Tensor  # [C, C]
     wfk: Tensor  # [F, C]
     wfv: Tensor  # [C, F]
-    wfv_t: Tensor  # [F, C]: wfv transposed, each hidden unit's row contiguous (kernels.gemv_live_rows)
+    wfv_t: Tensor | None  # [F, C]: wfv transposed, each hidden unit's row contiguous (with live_rows)
 
 
 @dataclass
@@ -135,11 +139,15 @@ class CudaRunner(SlotStates):
       (when auto_path is off; auto_path, the default with graphs, times both graphs of each
       bucket up to AUTO_PATH_MAX rows once and keeps the faster).
     prefill_wkv: "chunked", "recurrent" (token by token), or "auto" (chunked on a CUDA device).
+    live_rows: the value product at one or two rows reads only the rows of W_vᵀ whose hidden unit
+      is live (relu² not 0), from a transposed copy of W_v (+26% of the weights' bytes at 1.5B,
+      +29% at 7.2B); None: where W_v has LIVE_ROWS_MIN_BYTES. Set False later to compare.
     """
 
     def __init__(
         self, model: RWKV7, max_slots: int, *, dtype: torch.dtype = torch.float16, graphs: bool | None = None,
         small_batch: int = 16, prefill_wkv: str = "auto", auto_path: bool | None = None,
+        live_rows: bool | None = None,
     ):
         self.config = cfg = model.config
         self.device = next(model.parameters()).device
@@ -165,9 +173,8 @@ class CudaRunner(SlotStates):
         # faster in the prefill of 4,096 tokens; either way the logits' errors differ by < 3e-4
         self.fp32_outputs_decode = True
         self.fp32_outputs_prefill = False
-        # the value product at one or two rows reads only the live hidden units' rows of W_vᵀ (a
-        # transposed copy of W_v kept for it: +26% of the weights' bytes at 1.5B, +29% at 7.2B)
-        self.live_rows = True
+        w_v_bytes = self.C * self.F * torch.tensor([], dtype=dtype).element_size()
+        self.live_rows = w_v_bytes >= LIVE_ROWS_MIN_BYTES if live_rows is None else live_rows
         self._pack(model)
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
@@ -618,7 +625,7 @@ class CudaRunner(SlotStates):
                 second=_kernel_order([w2[g * C:(g + 1) * C, :p] for g, p in enumerate(self.padded)]),
                 lora={batching: self._lora_views(w_in, w2, batching) for batching in (LORA_ONE, LORA_SPLIT)},
                 wo=low(att.output.weight), wfk=low(ffn.key.weight), wfv=low(ffn.value.weight),
-                wfv_t=low(ffn.value.weight.t()),
+                wfv_t=low(ffn.value.weight.t()) if self.live_rows else None,
             ))
 
     def _lora_views(self, w_in: Tensor, w2: Tensor, batching: tuple) -> tuple[tuple[Tensor, Tensor], ...]:

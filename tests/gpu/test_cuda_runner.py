@@ -51,7 +51,7 @@ def pair(request):
 
     shape, dtype = request.param
     model = rounded(init_random(RWKV7(SHAPES[shape]), seed=3), dtype).to(DEVICE).eval()
-    runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False)
+    runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False, live_rows=True)
     return runner, ModelRunner(model, max_slots=8)
 
 
@@ -150,6 +150,13 @@ def test_decode_steps(pair, batch):
         assert rel_err(ours, theirs) <= TOLERANCE, f"step {step}"
     assert_states_close(runner, ref, slots)
     runner.small_batch = 16
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_steps_reading_every_hidden_unit(pair, batch, monkeypatch):
+    """live_rows off (as models with a small W_v run): the value product on W_v through the FMA gemv."""
+    monkeypatch.setattr(pair[0], "live_rows", False)
+    test_decode_steps(pair, batch)
 
 
 def test_mixed_step_and_untouched_slots(pair):
