@@ -383,7 +383,9 @@ def bench_ours(name: str, args, results: dict) -> None:
         except Exception:
             say(f"{name}: {case} FAILED\n{traceback.format_exc()}")
     say(f"{name}: decode path per bucket (True = gemv): {runner.path_choice}")
-    if not late(args):  # what the live-rows value product reads, and the step without it
+    if not runner.live_rows:
+        say(f"{name}: the value product reads every hidden unit (W_v under LIVE_ROWS_MIN_BYTES)")
+    elif not late(args):  # what the live-rows value product reads, and the step without it
         try:
             results["live_rows"][name] = share = live_share(runner)
             with overridden(runner, live_rows=False):

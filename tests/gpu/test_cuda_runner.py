@@ -190,7 +190,7 @@ def test_recurring_prefill_shapes_replay_a_graph(pair):
             ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
             assert rel_err(ours, theirs) <= TOLERANCE, f"{lengths} call {call}"
             assert_states_close(runner, ref, slots)
-        key = ((), lengths, runner.prefill_wkv, runner.fp32_outputs_prefill)
+        key = ((), lengths, runner.prefill_wkv, runner.fp32_outputs_prefill, runner.live_rows)
         assert key in runner._prefill_graphs
     runner.prefill_wkv = "recurrent"
 
@@ -211,7 +211,7 @@ def test_recurring_new_prompts_replay_a_graph(pair):
             assert rel_err(ours, theirs) <= TOLERANCE, f"{lengths} call {call}"
             assert_states_close(runner, ref, slots)
         rest = tuple(n - 1 for n in lengths if n > 1)
-        key = (((2, wanted),), rest, runner.prefill_wkv, runner.fp32_outputs_prefill)
+        key = (((2, wanted),), rest, runner.prefill_wkv, runner.fp32_outputs_prefill, runner.live_rows)
         assert key in runner._prefill_graphs
     runner.prefill_wkv = "recurrent"
 
