@@ -521,24 +521,27 @@ def bench_engine(runner, results: dict) -> None:
     time_sampler(results)
     runner.capture()  # every bucket: the engine's batch size changes as requests come and go
     for concurrency in (64, 256):
-        for slot in range(runner.max_slots):
-            runner.reset(slot)
         # an H200 has room for thousands of cached states: a 1 GiB default would make every
-        # publish a device-to-host demotion
+        # publish a device-to-host demotion (docs/gpu.md: 4.5-6k tokens/s at 256 requests)
         config = EngineConfig(max_slots=concurrency, max_waiting=4 * concurrency, max_prefill_tokens=4096,
                               token_chunk_size=512, device_cache_bytes=32 << 30, host_cache_bytes=16 << 30)
-        engine = Engine(runner, tokenizer, config).start()
-        rates = {}
+        rates, stats = {}, {}
         cases = (("top-p 0.9", 1.0, True), ("greedy", 0.0, True), ("top-p 0.9, torch sampler", 1.0, False))
         for seed, (label, temperature, kernel) in enumerate(cases):
-            engine.sampler.kernel = kernel  # between runs: the engine thread is idle
+            # an engine a case, its cache empty: one engine for the three cases slowed the later ones
+            # (12-01o's run of record; .carry/gpu/ab60.py against ab61.py)
+            for slot in range(runner.max_slots):
+                runner.reset(slot)
+            engine = Engine(runner, tokenizer, config).start()
+            engine.sampler.kernel = kernel
             params = SamplingParams(max_tokens=128, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True)
             gen = torch.Generator().manual_seed(10 * concurrency + seed)  # (no prefix shared across)
             warm, prompts = ([torch.randint(1, 65536, (64,), generator=gen).tolist() for _ in range(concurrency)]
                              for _ in range(2))
             rates[label] = asyncio.run(generated_rate(engine, prompts, params, warm))
-        stats = engine.snapshot_stats()["counters"]
-        engine.stop()
+            stats[label] = engine.snapshot_stats()["counters"]
+            engine.stop()
+            del engine
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
