@@ -538,10 +538,11 @@ class LiveRowsConfig:
     stages: int
 
 
-# Per row count, chosen on an H200 (.carry/gpu/live2.py, live3.py: 132 and 192 configurations, cold
-# weights, half the inputs 0 as in a random model). The value product at one row, 1.5B (8,192 x 2,048)
-# 8.1 us against the FMA gemv's 11.7 on [C, F]; 7.2B 24.1 against 35.1. Two rows (three quarters of
-# the rows live): 11.8 against 13.5, 38.4 against 46.1. With no input 0 it runs as fast as the FMA gemv.
+# Per row count, chosen on an H200 (.carry/gpu/live2.py, live3.py: 192 and 132 configurations at one
+# row, 121 and 132 at two; cold weights, half the inputs 0 as in a random model). The value product
+# at one row, 1.5B (8,192 x 2,048) 8.1 us against the FMA gemv's 11.7 on [C, F]; 7.2B 24.1 against
+# 35.1. Two rows (three quarters of the rows live): 11.8 against 13.5, 38.4 against 46.1. With no
+# input 0 it runs about as fast as the FMA gemv (1.5B one row 10.5 us).
 LIVE_ROWS = {1: LiveRowsConfig(64, 64, 4, 2, 3), 2: LiveRowsConfig(64, 32, 4, 2, 3)}
 
 
