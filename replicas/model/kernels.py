@@ -567,7 +567,7 @@ def _gemv_live_rows_kernel(A, lda, W, ldw, Y, ldy, M, N, K_PER, BLOCK_M: tl.cons
         live = (tl.sum((a != 0).to(tl.int32), axis=0) > 0)[:, None]  # [BLOCK_K, 1]: some row of A needs it
         w = tl.load(w_rows + k0 * ldw, mask=live, other=0.0)
         acc += a[:, :, None] * w.to(tl.float32)[None, :, :]
-    y_mask = a_mask & (cols < N)[None, :]  # [BLOCK_M, BLOCK_N]
+    y_mask = a_mask & (cols < N)[None, :]  # every column is inside N; the term gives the mask Y's tile shape
     tl.atomic_add(Y + offs_m[:, None].to(tl.int64) * ldy + cols[None, :], tl.sum(acc, axis=1), mask=y_mask)
 
 
