@@ -57,7 +57,9 @@ class EngineConfig(BaseModel):
     token_chunk_size: int = Field(256, ge=1, description="prompt tokens one row prefills per step")
     checkpoint_interval: int = Field(512, ge=1, description="a long prefill is cached every this many tokens")
     cache_min_tokens: int = Field(32, ge=1, description="shorter prefixes are not cached")
-    device_cache_bytes: int = Field(1 << 30, ge=0, description="prefix cache budget in device memory")
+    device_cache_bytes: int | None = Field(
+        None, ge=0, description="prefix cache budget in device memory; None: half the device memory free when "
+        "the engine is made (on a CUDA device, after the weights and slots; 1 GiB on the CPU)")
     host_cache_bytes: int = Field(4 << 30, ge=0, description="prefix cache budget in host memory")
     max_prompt_tokens: int = Field(1 << 20, ge=1, description="longer prompts are refused")
 
@@ -206,7 +208,8 @@ class Engine:
             raise ValueError(f"engine wants {self.config.max_slots} slots, the runner has {runner.max_slots}")
         self.slots = SlotTable(self.config.max_slots)
         self.sampler = Sampler(runner.max_slots, runner.vocab_size, runner.device)
-        self.cache = PrefixStateCache(self.config.device_cache_bytes, self.config.host_cache_bytes, runner.device)
+        self.cache = PrefixStateCache(_device_cache_bytes(self.config, runner.device), self.config.host_cache_bytes,
+                                      runner.device)
         self.init_states: dict[str, InitState] = {}  # by id; replaced whole, so callers may read it
         self.stats: Counter[str] = Counter()
         self._rows: dict[int, _Row] = {}
@@ -607,6 +610,17 @@ class Engine:
             assert self._in_flight >= len(self._rows)
         assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
         self.cache.check_integrity()
+
+
+def _device_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    """The device tier's budget: the configured one, or half the device memory free now. A
+    long-lived server's cache fills whatever its budget; a small one then sends every finished
+    request's state on to the host (docs/gpu.md: a 1 GiB tier on the H200 left 130 GiB unused)."""
+    if config.device_cache_bytes is not None:
+        return config.device_cache_bytes
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return 1 << 30
 
 
 def _freeze_heap() -> None:

@@ -274,7 +274,7 @@ def test_stress_random_submit_cancel_finish_leaks_nothing(parts):
         finished = sum(v for k, v in c.items() if k.startswith("finished_"))
         assert finished == c["submitted"] == outcomes["done"] + outcomes["cancelled"]
         assert outcomes["busy"] == c.get("busy_refusals", 0)
-        assert stats["cache"]["device_bytes"] <= engine.config.device_cache_bytes
+        assert stats["cache"]["device_bytes"] <= engine.cache.budget["device"]
     finally:
         engine.stop()
 

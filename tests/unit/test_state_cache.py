@@ -73,6 +73,15 @@ def test_a_snapshot_larger_than_the_budget_is_not_kept():
     cache.check_integrity()
 
 
+def test_a_snapshot_the_host_tier_cannot_hold_is_dropped_without_a_copy():
+    cache = PrefixStateCache(SIZE, SIZE - 1)
+    cache.insert("", [1], snap(1))
+    cache.insert("", [2], snap(2))  # [1] leaves the device tier and has nowhere to go
+    assert cache.match("", [1])[0] is None and cache.match("", [2])[1] == 1
+    assert (cache.metrics.demotions, cache.metrics.evictions) == (0, 1)
+    cache.check_integrity()
+
+
 def test_random_operations_keep_the_books_balanced():
     rng = random.Random(3)
     cache = PrefixStateCache(5 * SIZE, 7 * SIZE)

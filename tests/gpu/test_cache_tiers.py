@@ -1,0 +1,68 @@
+"""The prefix cache's tiers on a CUDA device: demotions copy into pinned host places on the
+cache's own stream, never waiting for the model's, and every move keeps the values exact."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from replicas.model.config import ModelConfig
+from replicas.model.state import RNNState
+from replicas.state_cache import SLAB_PLACES, PrefixStateCache, Snapshot
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CONFIG = ModelConfig(2, 64, 4, 16, 100, 1, 1, 1, 1)
+
+
+def snap(value: float) -> Snapshot:
+    state = RNNState.zeros(CONFIG, 1, "cuda")
+    for i, t in enumerate(state.tensors()):
+        t.copy_(torch.arange(t.numel(), device="cuda").view(t.shape) + 1000 * value + i)
+    return Snapshot(state, torch.arange(CONFIG.vocab_size, device="cuda", dtype=torch.float32) + 1000 * value)
+
+
+def same(found: Snapshot, value: float) -> bool:
+    return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(found.tensors(), snap(value).tensors(), strict=True))
+
+
+SIZE = RNNState.zeros(CONFIG, 1).nbytes + 4 * CONFIG.vocab_size
+
+
+def test_a_demotion_does_not_wait_for_the_model_and_keeps_the_values():
+    cache = PrefixStateCache(SIZE, 4 * SIZE, "cuda")
+    cache.insert("", [1], snap(1))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # the model's stream busy for about a second
+    start = time.perf_counter()
+    cache.insert("", [2], snap(2))  # [1] goes down to the host
+    queued = time.perf_counter() - start
+    entry = next(iter(cache.lru["host"].values()))
+    assert entry.place is not None and not entry.snapshot.ready.query()  # its copy waits for the model's work
+    assert queued < 0.2, f"the demotion held the host for {queued:.2f} s"
+    assert same(cache.export("", [1]), 1)  # the host read waits for the copy
+    found, n = cache.match("", [1])  # back to the device, [2] down
+    assert n == 1 and found.state.wkv.is_cuda and same(found, 1)
+    assert same(cache.export("", [2]), 2)
+    cache.check_integrity()
+
+
+def test_places_are_reused_and_every_move_keeps_its_values():
+    rng = random.Random(5)
+    cache = PrefixStateCache(3 * SIZE, 2 * SLAB_PLACES * SIZE, "cuda")
+    held: dict[int, int] = {}  # key -> the value inserted under it last
+    for step in range(400):
+        key = rng.randrange(60)
+        if rng.random() < 0.5:
+            cache.insert("", [key], snap(step))
+            held[key] = step
+        else:
+            found, n = cache.match("", [key])
+            if found is not None:
+                assert same(found, held[key]), f"step {step}: key {key} changed"
+        cache.check_integrity()
+    assert cache.metrics.demotions > 100 and cache.metrics.evictions > 0
+    if cache._places._ahead is not None:
+        cache._places._ahead.join()
+    assert len(cache._places.slabs) == 2  # the host budget's worth of places, pinned once
