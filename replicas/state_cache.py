@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -191,25 +190,23 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 SLAB_PLACES = 16  # host places pinned at a time (1.5B: 211 MB, 7.2B: 556 MB)
 ALIGN = 256  # bytes: each tensor of a place starts at a multiple of this
-HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, whichever thread pins
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 class _PinnedPlaces:
     """Page-locked host memory for the host tier on a CUDA machine: places of one snapshot's size,
-    in slabs of SLAB_PLACES pinned as the tier grows and then kept, so that a demotion neither
-    allocates nor pins. Pinning is slow (H200 machine: 211 MB in 75-104 ms), so the next slab is
-    pinned on a thread of its own while fewer than half a slab's places are free; a demotion that
-    finds none free waits for it, or pins one itself. Pinned with cudaHostRegister on ordinary
-    memory (torch's binding lets go of the GIL meanwhile, and torch's pinned allocator, which the
-    runner's inputs of every step come from, is not held)."""
+    in slabs of SLAB_PLACES pinned as the tier first grows and then kept, so that a demotion
+    neither allocates nor pins once the tier is full. Pinning is slow (H200 machine: 75-104 ms a
+    slab of 211 MB, paid by the demotion that finds no place free); pinning the next slab ahead on
+    a thread of its own was no faster (docs/gpu.md). Pinned with cudaHostRegister on ordinary
+    memory, which leaves torch's pinned allocator (the runner's inputs of every step come from it)
+    free meanwhile."""
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes  # no slab is pinned beyond this many bytes
         self.slabs: list[Tensor] = []
         self.free: dict[tuple, list[Tensor]] = {}  # snapshot layout -> free places (uint8 views of slabs)
-        self._claimed = 0  # bytes of the slabs pinned and being pinned
-        self._lock = threading.Lock()
-        self._ahead: threading.Thread | None = None
+        self.failed = 0  # bytes whose pinning failed
         weakref.finalize(self, _unpin, self.slabs)
 
     def take(self, like: Snapshot) -> tuple[Snapshot, Tensor] | None:
@@ -221,15 +218,9 @@ class _PinnedPlaces:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         free = self.free.setdefault(layout, [])
-        if not free:
-            if self._ahead is not None:
-                self._ahead.join()
-            if not free and not self._pin(size, free):
-                return None
+        if not free and not self._pin(size, free):
+            return None
         place = free.pop()
-        if len(free) < SLAB_PLACES // 2 and (self._ahead is None or not self._ahead.is_alive()):
-            self._ahead = threading.Thread(target=self._pin, args=(size, free), name="rwkv-pin", daemon=True)
-            self._ahead.start()
         views = [place[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                  for at, t in zip(offsets, like.tensors(), strict=True)]
         return Snapshot(RNNState(*views[:3]), views[3]), place
@@ -240,14 +231,14 @@ class _PinnedPlaces:
         self.free[tuple((tuple(t.shape), t.dtype) for t in snapshot.tensors())].append(place)
 
     def _pin(self, size: int, free: list[Tensor]) -> bool:
-        """Pins one more slab of places of `size` bytes into `free`; False at the limit."""
-        with self._lock:
-            if self._claimed >= self.limit:
-                return False
-            self._claimed += SLAB_PLACES * size
+        """Pins one more slab of places of `size` bytes into `free`; False at the limit (or when
+        pinning fails: demotions then copy synchronously)."""
+        if self.pinned + self.failed >= self.limit:
+            return False
         slab = torch.empty(SLAB_PLACES * size, dtype=torch.uint8)
         error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), HOST_REGISTER_PORTABLE)
-        if int(error) != 0:  # (its bytes stay claimed: no retry, demotions copy synchronously beyond them)
+        if int(error) != 0:
+            self.failed += slab.numel()  # (counted against the limit, so that failures end)
             log.warning("pinning %d bytes for the prefix cache's host tier failed (CUDA error %d)",
                         slab.numel(), int(error))
             return False
