@@ -209,6 +209,10 @@ class _PinnedPlaces:
         self.failed = 0  # bytes whose pinning failed
         weakref.finalize(self, _unpin, self.slabs)
 
+    @property
+    def pinned(self) -> int:
+        return sum(slab.numel() for slab in self.slabs)
+
     def take(self, like: Snapshot) -> tuple[Snapshot, Tensor] | None:
         """Empty host tensors shaped like `like`'s in a pinned place, and the place; None when the
         limit is reached (the caller then copies to ordinary memory)."""
