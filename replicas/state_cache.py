@@ -370,22 +370,21 @@ class PrefixStateCache:
 
     def _place(self, entry: _Entry, tier: str) -> None:
         """Moves entry to the most recently used end of `tier` (copying its tensors if needed)."""
-        self._unaccount(entry)
         if tier != entry.tier:
-            self._promote(entry) if tier == DEVICE else self._demote(entry)
-        self._account(entry)
+            self._move(entry, tier)
+        else:
+            self.lru[tier].move_to_end(self._key(entry))
         self._enforce_budgets()
 
     def _enforce_budgets(self) -> None:
         while self.metrics.bytes[DEVICE] > self.budget[DEVICE]:
             _, oldest = next(iter(self.lru[DEVICE].items()))
-            self._unaccount(oldest)
-            if not self._make_room(oldest.snapshot.nbytes):
+            if self._make_room(oldest.snapshot.nbytes):
+                self.metrics.demotions += 1
+                self._move(oldest, HOST)
+            else:
+                self._unaccount(oldest)
                 self._drop(oldest)
-                continue
-            self.metrics.demotions += 1
-            self._demote(oldest)
-            self._account(oldest)
 
     def _make_room(self, nbytes: int) -> bool:
         """Drops the host tier's least recently used snapshots until nbytes more fit in it; False
@@ -403,35 +402,40 @@ class PrefixStateCache:
         self._release(entry)
         self._evicted(entry)
 
-    def _demote(self, entry: _Entry) -> None:
-        """entry's snapshot to the host: on CUDA into a pinned place on the cache's stream (the
-        module's docstring), else (or with every place taken) a synchronous copy."""
-        device_copy = entry.snapshot
-        taken = self._places.take(device_copy) if self._places is not None else None
-        if taken is None:
-            entry.snapshot = device_copy.to("cpu")
+    def _move(self, entry: _Entry, tier: str) -> None:
+        """entry's snapshot copied to `tier`, then entry moved in the books (so that a copy that
+        fails leaves them as they were)."""
+        if tier == HOST:
+            snapshot, place = self._host_copy(entry.snapshot)
         else:
-            host, entry.place = taken
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the snapshot's tensors are written
-            with torch.cuda.stream(self._stream):
-                for dst, src in zip(host.tensors(), device_copy.tensors(), strict=True):
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(self._stream)  # its memory is not reused before the copy has read it
-                host.ready = torch.cuda.Event()
-                host.ready.record()
-            entry.snapshot = host
-        entry.tier = HOST
+            snapshot, place = self._device_copy(entry.snapshot), None
+        self._unaccount(entry)
+        self._release(entry)
+        entry.snapshot, entry.place, entry.tier = snapshot, place, tier
+        self._account(entry)
 
-    def _promote(self, entry: _Entry) -> None:
-        """entry's snapshot back to the device, on the model's stream after the copy that brought
-        it to the host."""
-        host = entry.snapshot
+    def _host_copy(self, snapshot: Snapshot) -> tuple[Snapshot, Tensor | None]:
+        """On CUDA into a pinned place, on the cache's stream (the module's docstring): the copy
+        and its place; else (or with every place taken) a synchronous copy, and no place."""
+        taken = self._places.take(snapshot) if self._places is not None else None
+        if taken is None:
+            return snapshot.to("cpu"), None
+        host, place = taken
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the snapshot's tensors are written
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(host.tensors(), snapshot.tensors(), strict=True):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self._stream)  # its memory is not reused before the copy has read it
+            host.ready = torch.cuda.Event()
+            host.ready.record()
+        return host, place
+
+    def _device_copy(self, host: Snapshot) -> Snapshot:
+        """On the model's stream, after the copy that brought `host` to the host."""
         if host.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(host.ready)
-        entry.snapshot = Snapshot(RNNState(*(t.to(self.device, non_blocking=True) for t in host.state.tensors())),
-                                  host.logits.to(self.device, non_blocking=True))
-        self._release(entry)
-        entry.tier = DEVICE
+        return Snapshot(RNNState(*(t.to(self.device, non_blocking=True) for t in host.state.tensors())),
+                        host.logits.to(self.device, non_blocking=True))
 
     def _release(self, entry: _Entry) -> None:
         """Gives entry's pinned place back: the copies that may still read it (a promotion, on the
