@@ -323,6 +323,14 @@ class PrefixStateCache:
             self._release(entry)
             self._evicted(entry)
 
+    def clear(self) -> None:
+        """Drops every snapshot and gives the pinned host memory back (the engine stops)."""
+        for namespace in list(self.tries):
+            self.drop_namespace(namespace)
+        if self._places is not None:
+            torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
+            self._places = _PinnedPlaces(self.budget[HOST])  # the old one's finalizer unpins its slabs
+
     def export(self, namespace: str, tokens: Sequence[int]) -> Snapshot | None:
         """A host copy of exactly this prefix's snapshot, to move it elsewhere. Counts nothing."""
         trie = self.tries.get(namespace)

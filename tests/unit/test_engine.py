@@ -512,6 +512,8 @@ def test_cache_respects_byte_budgets_and_demotes_to_host(parts):
         assert cache["demotions"] > 0 and cache["evictions"] > 0
     finally:
         engine.stop()
+    assert engine.cache.metrics.bytes == {"device": 0, "host": 0}  # a stopped engine holds no states
+    engine.cache.check_integrity()
 
 
 def test_runner_state_matches_consumed_tokens_after_finish(parts):
