@@ -217,7 +217,7 @@ class _PinnedPlaces:
     def take(self, like: Snapshot) -> tuple[Snapshot, Tensor] | None:
         """Empty host tensors shaped like `like`'s in a pinned place, and the place; None when the
         limit is reached (the caller then copies to ordinary memory)."""
-        layout = tuple((tuple(t.shape), t.dtype) for t in like.tensors())
+        layout = _layout(like)
         offsets, size = [], 0
         for t in like.tensors():
             offsets.append(size)
@@ -233,7 +233,7 @@ class _PinnedPlaces:
     def give(self, snapshot: Snapshot, place: Tensor) -> None:
         """Takes a place back. A promotion on the model's stream may still be reading it: the next
         demotion into it waits for that stream first."""
-        self.free[tuple((tuple(t.shape), t.dtype) for t in snapshot.tensors())].append(place)
+        self.free[_layout(snapshot)].append(place)
 
     def _pin(self, size: int, free: list[Tensor]) -> bool:
         """Pins one more slab of places of `size` bytes into `free`; False at the limit (or when
@@ -250,6 +250,11 @@ class _PinnedPlaces:
         self.slabs.append(slab)
         free.extend(slab[i * size:(i + 1) * size] for i in range(SLAB_PLACES))
         return True
+
+
+def _layout(snapshot: Snapshot) -> tuple:
+    """What a place is made for: the shapes and dtypes of a snapshot's tensors."""
+    return tuple((tuple(t.shape), t.dtype) for t in snapshot.tensors())
 
 
 def _unpin(slabs: list[Tensor]) -> None:

@@ -1,5 +1,5 @@
-"""Compiles every Triton kernel launch of the CUDA runner (and the sampler's) for an H200 (sm_90) on a machine without
-a GPU, so that Triton's type and shape errors surface before a device call.
+"""Compiles every Triton kernel launch of the CUDA runner (and the sampler's) for an H200 (sm_90)
+on a machine without a GPU, so that Triton's type and shape errors surface before a device call.
 
 The CPU interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic but not Triton's compiler:
 a loop-carried value that changes shape, two returns of different types, a bad constexpr branch
