@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ def prefix_key(namespace: str, tokens: Sequence[int]) -> str:
     digest = hashlib.blake2b(digest_size=12)
     digest.update(namespace.encode())
     digest.update(b"\0")
-    digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    digest.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each token 4 bytes little-endian
     return digest.hexdigest()
 
 

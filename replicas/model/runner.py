@@ -37,12 +37,12 @@ class SlotStates:
         return self.config.vocab_size
 
     def read_state(self, slot: int) -> RNNState:
-        return self.states.take([slot])
+        return self.states.row(slot)
 
     def write_state(self, slot: int, state: RNNState) -> None:
         if not state.fits(self.config) or state.rows != 1:
             raise ValueError("state does not fit this model")
-        self.states.put([slot], state)
+        self.states.put_row(slot, state)
 
     def reset(self, slot: int) -> None:
         for tensor in self.states.tensors():

@@ -49,6 +49,17 @@ class RNNState:
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.att_shift, self.ffn_shift, self.wkv
 
+    def row(self, i: int) -> RNNState:
+        """A copy of row i. A slice, not an index: on a GPU an index made from a list goes up from
+        pageable memory, which waits for all the device's queued work (the engine publishes a
+        state at every request's end: each would have stalled the batch's decode)."""
+        return RNNState(*(t[:, i : i + 1].clone(memory_format=torch.contiguous_format) for t in self.tensors()))
+
+    def put_row(self, i: int, other: RNNState) -> None:
+        """Writes other's one row into row i (a slice, as `row`)."""
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine[:, i : i + 1].copy_(theirs)
+
     def take(self, rows: Sequence[int] | Tensor) -> RNNState:
         """A copy of the given rows (no aliasing with self)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.wkv.device)
