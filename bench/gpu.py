@@ -519,7 +519,7 @@ def bench_engine(runner, results: dict) -> None:
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
     time_sampler(results)
-    runner.capture()  # every bucket: the engine's batch size changes as requests come and go
+    runner.warm_up(say)  # every bucket (the engine's batch size changes) and every prefill kernel variant
     for concurrency in (64, 256):
         # the cache's default device tier: half the GPU memory free when the engine is made
         config = EngineConfig(max_slots=concurrency, max_waiting=4 * concurrency, max_prefill_tokens=4096,

@@ -117,6 +117,7 @@ class Replica:
         self.replica_id, app_name = _replica_identity()
         runner, self.tokenizer, self.card = await asyncio.to_thread(
             open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
+        await asyncio.to_thread(runner.warm_up, log.info)  # no request waits for a compile
         self.model_config = runner.config
         self.engine = Engine(runner, self.tokenizer, config.engine).start()
         self.registry = connect_registry(app_name) if connect_registry else None

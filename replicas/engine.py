@@ -229,6 +229,7 @@ class Engine:
     # -- caller side (any thread) -----------------------------------------------------------
 
     def start(self) -> Engine:
+        self.sampler.warm_up()
         _freeze_heap()
         self._thread = threading.Thread(target=self._loop, name="rwkv-engine", daemon=True)
         self._thread.start()

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,29 @@ class _Batch:
     tail_row: Tensor  # [T'] the row on its last entry, else -1 (tok_row of the tail)
     tail_lasts: Tensor  # [R] each row's last entry (its logits' row)
     chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
+
+
+def _warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], bool]]]:
+    """Prefill calls that between them launch every kernel variant prefill can: per call, its
+    rows as (tokens, new prompt). Kernels specialise on what follows a call's shape: how many new
+    rows its first-token step takes (1 to AUTO_PATH_MAX) and whether it wants their logits, how
+    many rows the last layer's tail has (the gemv products up to AUTO_PATH_MAX, cuBLAS beyond),
+    the tokens of the gemv path (1 to EXACT_PREFILL) and of the large path (the LayerNorm's run of
+    tokens a program, the LoRAs' batching), a row or more (the pass's block of values)."""
+    def row(n: int, fresh: bool = False) -> tuple[list[int], bool]:
+        return [t % vocab for t in range(1, n + 1)], fresh
+
+    big = EXACT_PREFILL + 2  # a row that alone takes the large path
+    groups = min(max_slots - 1, AUTO_PATH_MAX)  # (one slot left for a row going on beside them)
+    calls = [[row(n)] for n in range(1, EXACT_PREFILL + 1)]  # the gemv path, one row
+    calls += [[row(1)] * r for r in range(2, min(max_slots, EXACT_PREFILL) + 1)]  # the gemv path, r rows
+    for n in (big, 600, 1100, 1600, 2100):  # the large path's classes of length, new and going on
+        calls += [[row(n)], [row(n, True)]]
+    for g in range(1, groups + 1):  # first-token steps of g new rows, without and with their logits
+        calls.append([row(big // g + 2, True)] * g)
+        calls.append([row(1, True)] + [row(2, True)] * (g - 1) + [row(big)])
+    calls += [[row(big)] + [row(1)] * (m - 2) for m in range(3, min(max_slots, AUTO_PATH_MAX + 2) + 1)]  # tails
+    return calls
 
 
 def _buckets(max_rows: int) -> list[int]:
@@ -328,6 +352,30 @@ class CudaRunner(SlotStates):
             for size in batch_sizes or self.buckets:
                 self._graph(next(b for b in self.buckets if b >= size))
 
+    def warm_up(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Captures every decode graph and compiles every Triton kernel variant that prefill
+        launches, before any request. Otherwise serving waits for the compiler whenever a call of a
+        new kind comes (0.2-1 s a variant on the H200 machine, some 20 of them a model: a steady
+        load of 256 requests spent 11 s of its first 13 in compiles; docs/gpu.md). Variants follow
+        the calls' shapes, so this runs one call of each kind (_warm_up_calls) on the slots, which
+        it leaves as it found them: at the zero state, new."""
+        started = time.perf_counter()
+        progress(f"warming up: the decode graphs of {len(self.buckets)} batch sizes")
+        self.capture()
+        calls = _warm_up_calls(self.max_slots, self.vocab_size)
+        progress(f"warming up: {len(calls)} prefill calls of every kind")
+        for rows in calls:
+            for slot, (_, fresh) in enumerate(rows):
+                self.reset(slot)
+                if not fresh:
+                    self._fresh.discard(slot)  # a row going on from a state (here the zero state)
+            self.prefill(range(len(rows)), [tokens for tokens, _ in rows])
+        for slot in range(self.max_slots):
+            self.reset(slot)
+        self._prefill_seen.clear()  # (each call's shape was seen once: none was captured)
+        torch.cuda.synchronize(self.device)
+        progress(f"warmed up in {time.perf_counter() - started:.1f} s")
+
     # -- decode --------------------------------------------------------------------------------
 
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
@@ -482,7 +530,11 @@ class CudaRunner(SlotStates):
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
         if chunked:
             fields.append(wkv_chunk.chunk_indices(lengths).numpy().reshape(-1))
-        return torch.from_numpy(np.concatenate(fields)), (tuple(f.shape[0] for f in fields), R, chunked)
+        # each field padded to 16 bytes: Triton specialises a kernel on whether a pointer is 16-byte
+        # aligned, so fields at offsets that follow the call's lengths would compile variant after
+        # variant while serving (and the warm-up could not meet them all)
+        padded = [np.pad(f, (0, f.shape[0] % 2)) for f in fields]
+        return torch.from_numpy(np.concatenate(padded)), (tuple(f.shape[0] for f in fields), R, chunked)
 
     def _pinned(self, host: Tensor) -> Tensor:
         # pinned: a true async copy (from pageable memory it may sync)
@@ -495,7 +547,7 @@ class CudaRunner(SlotStates):
     def _batch_views(dev: Tensor, layout: tuple) -> _Batch:
         """_Batch over the fields of one device tensor."""
         sizes, R, chunked = layout
-        views = dev.split(sizes)
+        views = [v[:n] for v, n in zip(dev.split([n + n % 2 for n in sizes]), sizes, strict=True)]
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], slots=views[3], rows=views[4].view(R, 3),
             cu_seqlens=views[5], tail=views[6], tail_slot=views[7], tail_row=views[8], tail_lasts=views[9],

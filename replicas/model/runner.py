@@ -8,12 +8,13 @@ Contract shared by every runner (CPU reference here, the CUDA runner in cuda_run
     prefill(rows, chunks) -> logits [len(rows), V] fp32, each row's logits after its chunk
     decode(rows, tokens)  -> logits [len(rows), V] fp32, one token per row
     read_state(slot) -> RNNState (1 row, a copy);  write_state(slot, state);  reset(slot)
+    warm_up(progress)  compiles and captures what serving would otherwise wait for (before requests)
 A slot's state is always the model's state after the tokens it has consumed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -84,3 +85,6 @@ class ModelRunner(SlotStates):
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
         """Advances each row by one token."""
         return self.prefill(rows, [[t] for t in tokens])
+
+    def warm_up(self, progress: Callable[[str], None] = lambda _: None) -> None:
+        """Nothing to compile or capture on the CPU (the CUDA runner's warm_up does both)."""
