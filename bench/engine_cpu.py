@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import random
 import sys
 import tempfile
 import time
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from replicas.engine import Delta, Engine, EngineConfig, Finished, Request
+from replicas.engine import Delta, Engine, EngineConfig, Finished, Request, Started
 from replicas.model.checkpoint import convert, save_pth
 from replicas.model.config import ModelConfig
 from replicas.model.loader import default_model_dir, open_model
@@ -84,6 +86,35 @@ async def generated_rate(engine: Engine, prompts: list[list[int]], params: Sampl
     start = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
     return sum(counts) / (time.perf_counter() - start)
+
+
+async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, params: SamplingParams,
+                      seconds: float, warm_seconds: float = 1.0, seed: int = 0) -> tuple[float, float]:
+    """Serving in a steady state: `concurrency` requests always in flight, each one that ends
+    replaced at once by a new random prompt, with max_tokens drawn from 32-224 (mean 128) so that
+    requests end at different steps, as a server's do. Returns (generated, prompt) tokens/s over
+    `seconds` after `warm_seconds`: the batcher's cost with prefill and decode mixed, without the
+    ramp and the common end of a burst of requests started together (generated_rate)."""
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    begin, end = start + warm_seconds, start + warm_seconds + seconds
+    counted = {"generated": 0, "prompt": 0}
+
+    async def worker() -> None:
+        while time.perf_counter() < end:
+            prompt = [rng.randrange(1, engine.runner.vocab_size) for _ in range(prompt_tokens)]
+            request = Request(prompt, dataclasses.replace(params, max_tokens=rng.randrange(32, 225)))
+            async for event in engine.generate(request):
+                now = time.perf_counter()
+                if isinstance(event, Delta) and begin <= now < end:
+                    counted["generated"] += len(event.token_ids)
+                elif isinstance(event, Started) and begin <= now < end:
+                    counted["prompt"] += event.prompt_tokens - event.cached_tokens
+                if now >= end:
+                    break
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return counted["generated"] / seconds, counted["prompt"] / seconds
 
 
 def long_prompt(tokenizer, n: int) -> list[int]:

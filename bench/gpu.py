@@ -15,11 +15,14 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
   * limits: copy bandwidth and bf16 matrix rate measured here; a step's limit is
     max(bytes / bandwidth, flops / rate) with bytes = weights read once + states read and written
     + logits written, flops = 2 · rows · parameters used;
-  * the engine (replicas.engine.Engine, no Ray): concurrent requests → generated tokens/s, next to
-    the runner's raw decode rate at that batch, which shows what the scheduler costs; sampled with
-    top-p 0.9 (a random model's flat rows are the sampler's worst case: the nucleus spans most
-    of the vocabulary), greedy, and top-p through the sampler's torch lines; and the sampler
-    alone, its one-launch kernel next to its torch lines.
+  * the engine (replicas.engine.Engine, no Ray), after the runner's warm-up: concurrent requests
+    → generated tokens/s, next to the runner's raw decode rate at that batch, which shows what the
+    scheduler costs. A burst (the requests sent at once) sampled with top-p 0.9 (a random model's
+    flat rows are the sampler's worst case: the nucleus spans most of the vocabulary), greedy,
+    and top-p through the sampler's torch lines; and the steady state a server lives in (as many
+    requests always in flight, each replaced by a new prompt as it ends, their lengths spread so
+    that they end at different steps), prompt tokens/s beside; and the sampler alone, its
+    one-launch kernel next to its torch lines.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
 
@@ -510,7 +513,7 @@ def time_sampler(results: dict) -> None:
 
 def bench_engine(runner, results: dict) -> None:
     """Concurrent requests through the batcher (no Ray): generated tokens/s."""
-    from engine_cpu import generated_rate  # noqa: PLC0415 (bench/engine_cpu.py, beside this file)
+    from engine_cpu import generated_rate, steady_rate  # noqa: PLC0415 (bench/engine_cpu.py, beside this file)
 
     from replicas.engine import Engine, EngineConfig  # noqa: PLC0415
     from replicas.model.checkpoint import WORLD_VOCAB  # noqa: PLC0415
@@ -541,13 +544,24 @@ def bench_engine(runner, results: dict) -> None:
             stats[label] = engine.snapshot_stats()["counters"]
             engine.stop()
             del engine
+        # serving's steady state: as many requests always in flight, each replaced as it ends
+        for slot in range(runner.max_slots):
+            runner.reset(slot)
+        engine = Engine(runner, tokenizer, config).start()
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+        steady, prompt_rate = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=1.5))
+        stats["steady"] = engine.snapshot_stats()["counters"]
+        engine.stop()
+        del engine
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
+                                               "steady": steady, "steady_prompt": prompt_rate,
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
             f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
-            f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; runner alone {raw:,.0f}")
+            f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; steady, {concurrency} "
+            f"always in flight: {steady:,.0f} generated + {prompt_rate:,.0f} prompt tokens/s; runner alone {raw:,.0f}")
 
 
 # -- the rwkv package (child process) -----------------------------------------------------------
@@ -680,14 +694,18 @@ def table(results: dict, models: list[str]) -> str:
         lines += ["", "Hidden units whose value rows a one-row decode step reads (relu² not 0; random "
                   "weights): " + ", ".join(f"{k} {v:.1%}" for k, v in results["live_rows"].items())]
     if results["engine"]:
-        lines += ["", "Engine (continuous batcher, sampling on the GPU; 64-token prompts, 128 new tokens):",
-                  "", "| concurrent requests | engine tokens/s, top-p 0.9 | greedy | top-p, the torch sampler |"
-                  " runner decode tokens/s | engine / runner, top-p / greedy |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "Engine (continuous batcher, sampling on the GPU). A burst: the requests sent at once, "
+                  "64-token prompts, 128 new tokens each. Steady: as many always in flight, each replaced as it "
+                  "ends, 64-token prompts, 32-224 new tokens (generated tokens/s + prompt tokens/s):",
+                  "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
+                  "steady, top-p 0.9 | runner decode tokens/s | burst top-p / greedy / steady, of the runner |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
-                         f"{e['engine_torch_sampler']:,.0f} | {raw:,.0f} | "
-                         f"{e['engine'] / raw:.0%} / {e['engine_greedy'] / raw:.0%} |")
+                         f"{e['engine_torch_sampler']:,.0f} | {e['steady']:,.0f} + {e['steady_prompt']:,.0f} | "
+                         f"{raw:,.0f} | {e['engine'] / raw:.0%} / {e['engine_greedy'] / raw:.0%} / "
+                         f"{e['steady'] / raw:.0%} |")
     if results["sampler"]:
         lines += ["", "Sampler alone (GPU, ms a step, the tokens read back):", "",
                   "| batch, sampling | one-launch kernel | torch lines | torch / kernel |", "|---|---:|---:|---:|"]
