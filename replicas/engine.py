@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -293,8 +293,11 @@ class Engine:
         return by_name[0]
 
     def load_init_state(self, init: InitState) -> None:
+        """Holds the state on the runner's device: a request that names it starts from a copy made
+        there (from pageable host memory, each copy would wait for all of the GPU's queued work)."""
         if not init.state.fits(self.runner.config) or init.state.rows != 1:
             raise InitStateError("init state does not fit this model")
+        init = replace(init, state=init.state.to(self.runner.device))
         self.call(lambda: self._apply_init_state(init))
 
     def unload_init_state(self, state_id: str) -> bool:

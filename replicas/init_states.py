@@ -26,7 +26,7 @@ class InitStateError(ValueError):
 class InitState:
     id: str
     name: str
-    state: RNNState  # one row, on the host
+    state: RNNState  # one row: on the host as read, on the runner's device once an engine holds it
     default: bool = False
     version: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
