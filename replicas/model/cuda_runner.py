@@ -365,7 +365,11 @@ class CudaRunner(SlotStates):
         self.capture()
         calls = _warm_up_calls(self.max_slots, self.vocab_size)
         progress(f"warming up: {len(calls)} prefill calls of every kind")
-        for rows in calls:
+        shown = time.perf_counter()
+        for done, rows in enumerate(calls):
+            if time.perf_counter() - shown >= 5:  # (the compiler's time, most of it)
+                progress(f"warming up: {done}/{len(calls)} prefill calls")
+                shown = time.perf_counter()
             for slot, (_, fresh) in enumerate(rows):
                 self.reset(slot)
                 if not fresh:
@@ -374,7 +378,8 @@ class CudaRunner(SlotStates):
         for slot in range(self.max_slots):
             self.reset(slot)
         self._prefill_seen.clear()  # (each call's shape was seen once: none was captured)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         progress(f"warmed up in {time.perf_counter() - started:.1f} s")
 
     # -- decode --------------------------------------------------------------------------------

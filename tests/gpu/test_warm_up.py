@@ -44,6 +44,9 @@ def test_serving_compiles_nothing_after_the_warm_up(monkeypatch):
     sampler = Sampler(slots, SHAPE.vocab_size, "cuda")
     runner.warm_up()
     sampler.warm_up()
+    # the slots as they were: new, at the zero state
+    assert runner._fresh == set(range(slots))
+    assert all(not t[:, :slots].any() for t in runner.states.tensors())
     compiled = []
     compile_one = jit.JITFunction._do_compile
 
