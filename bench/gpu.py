@@ -521,6 +521,14 @@ def bench_engine(runner, results: dict) -> None:
     from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
+
+    def fresh_engine(config: EngineConfig) -> Engine:
+        """An engine a case, its cache empty, every slot new: one engine for the three burst cases
+        slowed the later ones (12-01o's run of record; .carry/gpu/ab60.py against ab61.py)."""
+        for slot in range(runner.max_slots):
+            runner.reset(slot)
+        return Engine(runner, tokenizer, config).start()
+
     time_sampler(results)
     runner.warm_up(say)  # every bucket (the engine's batch size changes) and every prefill kernel variant
     for concurrency in (64, 256):
@@ -530,11 +538,7 @@ def bench_engine(runner, results: dict) -> None:
         rates, stats = {}, {}
         cases = (("top-p 0.9", 1.0, True), ("greedy", 0.0, True), ("top-p 0.9, torch sampler", 1.0, False))
         for seed, (label, temperature, kernel) in enumerate(cases):
-            # an engine a case, its cache empty: one engine for the three cases slowed the later ones
-            # (12-01o's run of record; .carry/gpu/ab60.py against ab61.py)
-            for slot in range(runner.max_slots):
-                runner.reset(slot)
-            engine = Engine(runner, tokenizer, config).start()
+            engine = fresh_engine(config)
             engine.sampler.kernel = kernel
             params = SamplingParams(max_tokens=128, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True)
             gen = torch.Generator().manual_seed(10 * concurrency + seed)  # (no prefix shared across)
@@ -545,9 +549,7 @@ def bench_engine(runner, results: dict) -> None:
             engine.stop()
             del engine
         # serving's steady state: as many requests always in flight, each replaced as it ends
-        for slot in range(runner.max_slots):
-            runner.reset(slot)
-        engine = Engine(runner, tokenizer, config).start()
+        engine = fresh_engine(config)
         params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
         steady, prompt_rate = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=1.5))
         stats["steady"] = engine.snapshot_stats()["counters"]

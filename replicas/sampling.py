@@ -117,8 +117,8 @@ class Sampler:
             return
         slots = self.counts.shape[0]
         for rows in (n for n in (1, 3, 16) if n <= slots):
+            logits = torch.zeros(rows, self.vocab_size, device=self.counts.device)
             for params in (SamplingParams(temperature=0.0), SamplingParams(top_p=0.9)):
-                logits = torch.zeros(rows, self.vocab_size, device=self.counts.device)
                 self.sample(logits, list(range(rows)), [params] * rows, [0.5] * rows)
         for slot in range(min(16, slots)):
             self.reset(slot)
