@@ -91,8 +91,9 @@ async def generated_rate(engine: Engine, prompts: list[list[int]], params: Sampl
 async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, params: SamplingParams,
                       seconds: float, warm_seconds: float = 1.0, seed: int = 0) -> tuple[float, float]:
     """Serving in a steady state: `concurrency` requests always in flight, each one that ends
-    replaced at once by a new random prompt, with max_tokens drawn from 32-224 (mean 128) so that
-    requests end at different steps, as a server's do. Returns (generated, prompt) tokens/s over
+    replaced at once by a new random prompt of prompt_tokens/2 to 3·prompt_tokens/2 tokens, with
+    max_tokens drawn from 32-224 (mean 128) so that requests end at different steps and prompts
+    differ in length, as a server's do. Returns (generated, prompt) tokens/s over
     `seconds` after `warm_seconds`: the batcher's cost with prefill and decode mixed, without the
     ramp and the common end of a burst of requests started together (generated_rate)."""
     rng = random.Random(seed)
@@ -102,7 +103,8 @@ async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, para
 
     async def worker() -> None:
         while time.perf_counter() < end:
-            prompt = [rng.randrange(1, engine.runner.vocab_size) for _ in range(prompt_tokens)]
+            length = rng.randint(prompt_tokens // 2, prompt_tokens * 3 // 2)
+            prompt = [rng.randrange(1, engine.runner.vocab_size) for _ in range(length)]
             request = Request(prompt, dataclasses.replace(params, max_tokens=rng.randrange(32, 225)))
             async for event in engine.generate(request):
                 now = time.perf_counter()

@@ -698,7 +698,7 @@ def table(results: dict, models: list[str]) -> str:
     if results["engine"]:
         lines += ["", "Engine (continuous batcher, sampling on the GPU). A burst: the requests sent at once, "
                   "64-token prompts, 128 new tokens each. Steady: as many always in flight, each replaced as it "
-                  "ends, 64-token prompts, 32-224 new tokens (generated tokens/s + prompt tokens/s):",
+                  "ends, prompts of 32-96 tokens, 32-224 new tokens (generated tokens/s + prompt tokens/s):",
                   "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
                   "steady, top-p 0.9 | runner decode tokens/s | burst top-p / greedy / steady, of the runner |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]

@@ -23,9 +23,10 @@ recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, a p
 row's chunks, the outputs over chunks again, which end the time mix too) or a Triton recurrence
 over the rows (kernels.wkv_recurrent). No Python loop over tokens, no host synchronisation:
 inputs reach the GPU in one asynchronous copy per call (and a new prompt's logits are gathered by
-an index that goes up the same way). Row lengths seen before replay a CUDA graph of the call. A
-new row's first token (its slot reset) runs first as a gemv decode step, fp32 activations: see
-prefill.
+an index that goes up the same way). A call is padded to buckets of rows and tokens (rows on the
+scratch slot: _call_shape), and buckets seen before replay a CUDA graph of the call, whatever the
+rows' lengths. A new row's first token (its slot reset) runs first as a gemv decode step, fp32
+activations: see _plan.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
 the slots' states).
@@ -69,9 +70,14 @@ AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of 
 # Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
 # kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
 SECOND_IN_CORE_ROWS = 2
-EXACT_PREFILL = 128  # prefills of up to this many tokens take the gemv path (fp32 activations)
+# Prefills of up to this many tokens (padded: _call_shape) take the gemv path (fp32 activations, the
+# recurrent kernel); more, the large path. H200, one row, graphs (docs/gpu.md): the gemv path
+# costs about 0.07 ms a token at 1.5B (0.23 at 7.2B), the large path about 2.2-2.6 ms for 8-128
+# tokens (5.6-7.6 at 7.2B) plus a new row's first-token step; 16 tokens of a new row 2.67 against
+# 3.11 ms, 32 tokens 4.54 against 3.25.
+EXACT_PREFILL = 16
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
-PREFILL_GRAPHS = 16  # prefill shapes (row lengths) kept as CUDA graphs, least recently used dropped
+PREFILL_GRAPHS = 64  # prefill shapes (buckets) kept as CUDA graphs, least recently used dropped
 # The live-rows value product (kernels.gemv_live_rows) by default where W_v has at least this many
 # bytes. H200, one decode row, half the hidden units live (docs/gpu.md): 1.5B (34 MB) 961 -> 1,023
 # tokens/s, 7.2B (134 MB) 254 -> 278, 0.1B (4.7 MB) 3,778 -> 3,630 (its programs too small to stream).
@@ -111,11 +117,12 @@ class _Batch:
     slots: Tensor  # [R]
     rows: Tensor  # [R, 3] slot, start, length (the recurrent kernel's view)
     cu_seqlens: Tensor  # [R + 1]
-    # the last layer's tail: each row's last token after its predecessor in the row (if any), the
-    # only tokens whose channel mix the call needs (the predecessor's LayerNorm is the last's shift)
-    tail: Tensor  # [T'] their tokens
-    tail_slot: Tensor  # [T'] the row's slot on its first entry, else -1 (tok_slot of the tail)
-    tail_row: Tensor  # [T'] the row on its last entry, else -1 (tok_row of the tail)
+    # the last layer's tail: each row's last token after its predecessor in the row (a row of one
+    # token: that token twice), the only tokens whose channel mix the call needs (the predecessor's
+    # LayerNorm is the last's shift)
+    tail: Tensor  # [2R] their tokens
+    tail_slot: Tensor  # [2R] the row's slot on its first entry (both, for a row of one), else -1
+    tail_row: Tensor  # [2R] the row on its last entry, else -1 (tok_row of the tail)
     tail_lasts: Tensor  # [R] each row's last entry (its logits' row)
     chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
 
@@ -125,11 +132,12 @@ _ONE_ZERO = np.zeros(1, dtype=np.int64)  # pads a prefill call's odd-length inde
 
 def _warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], bool]]]:
     """Prefill calls that between them launch every kernel variant prefill can: per call, its
-    rows as (tokens, new prompt). Kernels specialise on what follows a call's shape: how many new
-    rows its first-token step takes (1 to AUTO_PATH_MAX) and whether it wants their logits, how
-    many rows the last layer's tail has (the gemv products up to AUTO_PATH_MAX, cuBLAS beyond),
-    the tokens of the gemv path (1 to EXACT_PREFILL) and of the large path (the LayerNorm's run of
-    tokens a program, the LoRAs' batching), a row or more (the pass's block of values)."""
+    rows as (tokens, new prompt), one call a shape (_shape_key: none is seen twice, so none is
+    captured). Kernels specialise on what follows from a call's buckets: how many new rows its
+    first-token step takes (1 to AUTO_PATH_MAX) and whether it wants their logits, how many rows
+    the last layer's tail has (the gemv products up to AUTO_PATH_MAX, cuBLAS beyond), the tokens
+    of the gemv path (1 to EXACT_PREFILL) and of the large path (the LayerNorm's program a token
+    or run of tokens, the LoRAs' batching), a row or more (the pass's block of values)."""
     def row(n: int, fresh: bool = False) -> tuple[list[int], bool]:
         return [t % vocab for t in range(1, n + 1)], fresh
 
@@ -137,13 +145,73 @@ def _warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], boo
     groups = min(max_slots - 1, AUTO_PATH_MAX)  # (one slot left for a row going on beside them)
     calls = [[row(n)] for n in range(1, EXACT_PREFILL + 1)]  # the gemv path, one row
     calls += [[row(1)] * r for r in range(2, min(max_slots, EXACT_PREFILL) + 1)]  # the gemv path, r rows
-    for n in (big, 600, 1100, 1600, 2100):  # the large path's classes of length, new and going on
+    for n in (big, 40, 100, 300, 600, 1100, 1600, 2100, 4100):  # the large path's lengths, new and going on
         calls += [[row(n)], [row(n, True)]]
     for g in range(1, groups + 1):  # first-token steps of g new rows, without and with their logits
         calls.append([row(big // g + 2, True)] * g)
         calls.append([row(1, True)] + [row(2, True)] * (g - 1) + [row(big)])
-    calls += [[row(big)] + [row(1)] * (m - 2) for m in range(3, min(max_slots, AUTO_PATH_MAX + 2) + 1)]  # tails
-    return calls
+    for m in range(3, max_slots + 1):  # tails of up to max_slots rows (2 entries a row)
+        calls.append([row(big)] + [row(1)] * (m - 1))
+    seen, unique = set(), []
+    for rows in calls:
+        key = _shape_key([len(tokens) for tokens, _ in rows], [fresh for _, fresh in rows])
+        if key not in seen:
+            seen.add(key)
+            unique.append(rows)
+    return unique
+
+
+def _row_bucket(n: int) -> int:
+    """Rows are padded to a power of 2 (a decode graph's bucket, a prefill call's rows)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _token_bucket(n: int) -> int:
+    """A prefill call's tokens are padded to a power of 2 up to 128, then to a multiple of 64, and
+    from 512 up to a quarter of the power of 2 below (at most 25% more, mostly less): 640, 768,
+    896, 1024, 1280, ..., 4096, 5120, ... The large path's products cost little more for a few more
+    tokens, and a shape that recurs replays a graph."""
+    if n <= 128:
+        return _row_bucket(n)
+    step = max(64, 1 << (n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+def _call_shape(rows: int, tokens: int) -> tuple[int, int]:
+    """The (rows, tokens) a prefill call is padded to: its buckets, with at least one more row
+    (of at least a token each) where the call does not already fill both."""
+    R, T = _row_bucket(rows), _token_bucket(tokens)
+    if (R, T) == (rows, tokens):
+        return R, T
+    if R == rows:
+        R *= 2
+    return R, _token_bucket(tokens + R - rows)
+
+
+def _plan(lengths: Sequence[int], fresh: Sequence[bool]) -> tuple[list[list[int]], list[int]]:
+    """How prefill runs rows of these lengths, `fresh` those from the zero state: groups of new rows
+    (at most AUTO_PATH_MAX a group) whose first tokens take a gemv decode step first, then the rows
+    that go on in the call (a new row's without its first token).
+
+    A row from the zero state: its first token's time-mix output is GroupNorm((r·k) v) per head,
+    whose sign turns where r·k is near 0, so that token's fp16 activations can move the whole row's
+    logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). Its first token takes the
+    gemv step (fp32 activations), then the rest of the row the large path, in one call (one graph).
+    No groups where no row is new, or where the call takes the gemv path (fp32) anyway."""
+    new = [i for i, f in enumerate(fresh) if f]
+    if not new or _call_shape(len(lengths), sum(lengths))[1] <= EXACT_PREFILL:
+        return [], list(range(len(lengths)))
+    groups = [new[at:at + AUTO_PATH_MAX] for at in range(0, len(new), AUTO_PATH_MAX)]
+    return groups, [i for i, n in enumerate(lengths) if not fresh[i] or n > 1]
+
+
+def _shape_key(lengths: Sequence[int], fresh: Sequence[bool]) -> tuple:
+    """What a prefill call's graph (and its kernels' variants) follow: its steps' buckets and
+    whether they want logits, the buckets of the call after them."""
+    groups, rest = _plan(lengths, fresh)
+    steps = tuple((_row_bucket(len(g)), any(lengths[i] == 1 for i in g)) for g in groups)
+    went_on = [lengths[i] - (1 if groups and fresh[i] else 0) for i in rest]
+    return steps, _call_shape(len(went_on), sum(went_on)) if went_on else None
 
 
 def _buckets(max_rows: int) -> list[int]:
@@ -222,31 +290,24 @@ class CudaRunner(SlotStates):
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32.
 
-        A call whose row lengths were seen before runs as a CUDA graph (captured on the second
-        sight, up to `prefill_graphs` shapes kept, least recently used dropped): a long prompt's
-        equal chunks, a benchmark's repeats. Other calls launch their kernels one by one, which
-        costs host time for every launch (about 15 a layer).
+        A call is padded to its buckets (_call_shape: rows on the scratch slot), and a call whose
+        buckets were seen before runs as a CUDA graph (captured on the second sight, up to
+        `prefill_graphs` kept, least recently used dropped): prompts of other lengths share one.
+        Other calls launch their kernels one by one, which costs host time for every launch
+        (about 15 a layer).
         """
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
-        fresh = [i for i, row in enumerate(rows) if row in self._fresh]
+        fresh = [row in self._fresh for row in rows]
         self._fresh.difference_update(rows)
-        if not fresh or sum(len(c) for c in chunks) <= EXACT_PREFILL:
+        groups, rest = _plan([len(c) for c in chunks], fresh)
+        if not groups:
             return self._prefill_parts([], (rows, chunks))[0]
-        # A row from the zero state: its first token's time-mix output is GroupNorm((r·k) v) per
-        # head, whose sign turns where r·k is near 0, so that token's fp16 activations can move the
-        # whole row's logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). First
-        # tokens take the gemv decode step (fp32 activations), then the rest of each row the large
-        # path, in one call (one graph).
-        # (a group whose rows all go on in the large path needs no logits from its step: no head)
-        groups = [fresh[at:at + AUTO_PATH_MAX] for at in range(0, len(fresh), AUTO_PATH_MAX)]
-        firsts = set(fresh)
-        rest = [i for i in range(len(rows)) if i not in firsts or len(chunks[i]) > 1]
         outs = self._prefill_parts(
             [([rows[i] for i in group], [chunks[i][0] for i in group], any(len(chunks[i]) == 1 for i in group))
              for group in groups],
-            ([rows[i] for i in rest], [chunks[i][1:] if i in firsts else chunks[i] for i in rest]) if rest else None)
+            ([rows[i] for i in rest], [chunks[i][1:] if fresh[i] else chunks[i] for i in rest]) if rest else None)
         if len(rest) == len(rows):  # every row went on in the large path: its logits, in order
             return outs[-1]
         # each row's logits: the large path's if it went on there, else its step's
@@ -264,15 +325,19 @@ class CudaRunner(SlotStates):
     def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int], bool]],
                        call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor | None]:
         """Gemv decode steps (rows, tokens, whether their logits are wanted) of at most
-        AUTO_PATH_MAX rows, then a prefill call (rows, chunks), one after the other (as one graph
-        where the shape recurs): their logits (None for a step that wants none)."""
+        AUTO_PATH_MAX rows, then a prefill call (rows, chunks), one after the other, each padded
+        to its buckets with rows on the scratch slot (one graph for every call of the same
+        buckets): the real rows' logits (None for a step that wants none)."""
+        real = [len(rows) for rows, _, _ in steps] + ([len(call[0])] if call is not None else [])
+        steps = [(self._padded(rows, _row_bucket(len(rows))), self._padded(tokens, _row_bucket(len(rows)), 0), want)
+                 for rows, tokens, want in steps]
         pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
         if call is not None:
-            fields, layout = self._batch_fields(*call)
+            fields, layout = self._batch_fields(*self._padded_call(*call))
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
-        key = (tuple((len(rows), want) for rows, _, want in steps), call and tuple(len(c) for c in call[1]),
+        key = (tuple((len(rows), want) for rows, _, want in steps), layout,
                self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows)
 
         def body(dev: Tensor) -> list[Tensor | None]:
@@ -286,11 +351,27 @@ class CudaRunner(SlotStates):
 
         graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs else None
         if graph is None:
-            return body(self._to_device(host))
+            return [None if out is None else out[:n] for out, n in zip(body(self._to_device(host)), real, strict=True)]
         captured, static, outs = graph
         static.copy_(self._pinned(host), non_blocking=True)
         captured.replay()
-        return [None if out is None else out.clone() for out in outs]  # rewritten by the next replay
+        # (rewritten by the next replay)
+        return [None if out is None else out[:n].clone() for out, n in zip(outs, real, strict=True)]
+
+    def _padded(self, items: Sequence[int], n: int, fill: int | None = None) -> list[int]:
+        """items filled up to n with `fill` (default: the scratch slot)."""
+        return [*items, *[self.scratch if fill is None else fill] * (n - len(items))]
+
+    def _padded_call(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[list[int], list]:
+        """A prefill call padded to its buckets (_call_shape): rows on the scratch slot, the first
+        taking the tokens left over, the others one each. No later layer, and no other row, reads
+        a row's tokens but its own; what the padding rows leave in the scratch slot is never read."""
+        R, T = len(rows), sum(len(c) for c in chunks)
+        R_b, T_b = _call_shape(R, T)
+        if R_b == R:
+            return list(rows), list(chunks)
+        pad = R_b - R
+        return self._padded(rows, R_b), [*chunks, [0] * (T_b - T - pad + 1), *[[0]] * (pad - 1)]
 
     def _prefill_graph(self, key, host: Tensor, body) -> tuple | None:
         """The graph of a prefill shape seen before (captured now if need be); None on first sight."""
@@ -537,8 +618,8 @@ class CudaRunner(SlotStates):
         fields = [tokens, tok_slot, tok_row, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu,
                   *_tail_fields(lengths, lasts, slots)]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
-        if chunked:
-            fields.append(wkv_chunk.chunk_indices(lengths).numpy().reshape(-1))
+        if chunked:  # as many as the buckets allow (those past the call's chunks cover no token)
+            fields.append(wkv_chunk.chunk_indices(lengths, T // wkv_chunk.CHUNK + R).numpy().reshape(-1))
         # each field padded to 16 bytes: Triton specialises a kernel on whether a pointer is 16-byte
         # aligned, so fields at offsets that follow the call's lengths would compile variant after
         # variant while serving (and the warm-up could not meet them all)
@@ -734,19 +815,14 @@ class CudaRunner(SlotStates):
 
 def _tail_fields(lengths: np.ndarray, lasts: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
     """_Batch's tail (tail, tail_slot, tail_row, tail_lasts) of rows of these lengths, last tokens
-    and slots: each row's last token, after its predecessor where the row has one."""
-    has_prev = lengths > 1
-    cu = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(1 + has_prev, out=cu[1:])
-    tail_lasts = cu[1:] - 1
-    tail = np.empty(int(cu[-1]), dtype=np.int64)
-    tail[tail_lasts] = lasts
-    tail[tail_lasts[has_prev] - 1] = lasts[has_prev] - 1
-    tail_slot = np.full(tail.shape[0], -1, dtype=np.int64)
-    tail_slot[cu[:-1]] = slots  # (a predecessor's own shift is then the slot's: unused)
-    tail_row = np.full(tail.shape[0], -1, dtype=np.int64)
-    tail_row[tail_lasts] = np.arange(lengths.shape[0])
-    return tail, tail_slot, tail_row, tail_lasts
+    and slots: two entries a row (a shape that follows the call's buckets), each row's last token
+    after its predecessor; a row of one token has that token twice, both shifted from its slot."""
+    R = lengths.shape[0]
+    single = lengths == 1
+    tail = np.stack([np.where(single, lasts, lasts - 1), lasts], 1).reshape(-1)
+    tail_slot = np.stack([slots, np.where(single, slots, -1)], 1).reshape(-1)
+    tail_row = np.stack([np.full(R, -1), np.arange(R)], 1).reshape(-1)
+    return tail, tail_slot, tail_row, 2 * np.arange(R) + 1
 
 
 def _kernel_order(lora: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

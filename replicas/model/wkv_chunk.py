@@ -198,14 +198,21 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
 
-def chunk_indices(lengths) -> torch.Tensor:
+def chunk_indices(lengths, n: int | None = None) -> torch.Tensor:
     """(row, chunk within the row) for every chunk of CHUNK tokens of rows of these lengths (any
     1-D integer array): int64 [n_chunks, 2] on the CPU (chunk_prefill takes it on the device).
+    With n, n entries: those past the rows' chunks name the last row's chunk n, which holds no
+    token (its programs store nothing), so that a call's shape follows its buckets only.
     numpy: torch's small operations cost microseconds each on the host."""
     n_chunks = (np.asarray(lengths, dtype=np.int64) + CHUNK - 1) // CHUNK
     row_of = np.repeat(np.arange(n_chunks.shape[0]), n_chunks)
     first = np.cumsum(n_chunks) - n_chunks
-    return torch.from_numpy(np.stack([row_of, np.arange(row_of.shape[0]) - first[row_of]], 1))
+    out = np.stack([row_of, np.arange(row_of.shape[0]) - first[row_of]], 1)
+    if n is not None:
+        if n < out.shape[0]:
+            raise ValueError(f"{out.shape[0]} chunks do not fit in {n}")
+        out = np.concatenate([out, np.tile([[n_chunks.shape[0] - 1, n]], (n - out.shape[0], 1))])
+    return torch.from_numpy(out)
 
 
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
