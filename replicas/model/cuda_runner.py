@@ -145,7 +145,8 @@ def _warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], boo
     groups = min(max_slots - 1, AUTO_PATH_MAX)  # (one slot left for a row going on beside them)
     calls = [[row(n)] for n in range(1, EXACT_PREFILL + 1)]  # the gemv path, one row
     calls += [[row(1)] * r for r in range(2, min(max_slots, EXACT_PREFILL) + 1)]  # the gemv path, r rows
-    for n in (big, 40, 100, 300, 600, 1100, 1600, 2100, 4100):  # the large path's lengths, new and going on
+    # the large path's lengths, new and going on (64, and 65 new: one row that fills its buckets)
+    for n in (big, 40, 64, 65, 100, 300, 600, 1100, 1600, 2100, 4100):
         calls += [[row(n)], [row(n, True)]]
     for g in range(1, groups + 1):  # first-token steps of g new rows, without and with their logits
         calls.append([row(big // g + 2, True)] * g)
