@@ -125,6 +125,7 @@ class _Batch:
     tail_row: Tensor  # [2R] the row on its last entry, else -1 (tok_row of the tail)
     tail_lasts: Tensor  # [R] each row's last entry (its logits' row)
     chunk_indices: Tensor | None  # [n_chunks, 2] (row, chunk in row)
+    block_values: int  # the chunked pass's values a program (wkv_chunk.block_values)
 
 
 _ONE_ZERO = np.zeros(1, dtype=np.int64)  # pads a prefill call's odd-length index field to 16 bytes
@@ -335,7 +336,7 @@ class CudaRunner(SlotStates):
         pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
         if call is not None:
-            fields, layout = self._batch_fields(*self._padded_call(*call))
+            fields, layout = self._batch_fields(*self._padded_call(*call), real=len(call[0]))
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple((len(rows), want) for rows, _, want in steps), layout,
@@ -443,8 +444,8 @@ class CudaRunner(SlotStates):
         new kind comes (0.2-1 s a variant on the H200 machine: a steady load of 256 requests spent
         11.5 s of its first 13.6 in 19 compiles; docs/gpu.md). Variants follow the calls' shapes,
         so this runs one call of each kind (_warm_up_calls) on the slots, which it leaves as it
-        found them: at the zero state, new. 1.5B on the H200: 54 s with Triton's cache cold, 28 s
-        warm (560 variants)."""
+        found them: at the zero state, new. 1.5B with 256 slots on the H200: 62 calls, 6.3 s with
+        Triton's cache warm (before calls were padded to buckets: 457 calls, 28 s warm, 54 cold)."""
         started = time.perf_counter()
         progress(f"warming up: the decode graphs of {len(self.buckets)} batch sizes")
         self.capture()
@@ -601,7 +602,7 @@ class CudaRunner(SlotStates):
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[Tensor, tuple]:
+    def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]], real: int) -> tuple[Tensor, tuple]:
         """The call's index tensors as one flat int64 host tensor, and the layout that _batch_views
         splits it by. numpy: a Python loop over 16k tokens costs milliseconds, and each of torch's
         small operations microseconds (this is host time before a call's first kernel)."""
@@ -626,7 +627,10 @@ class CudaRunner(SlotStates):
         # variant while serving (and the warm-up could not meet them all)
         # (np.pad took 160 us a call on the development machine, this 6)
         padded = [part for f in fields for part in ((f, _ONE_ZERO) if f.shape[0] % 2 else (f,))]
-        return torch.from_numpy(np.concatenate(padded)), (tuple(f.shape[0] for f in fields), R, chunked)
+        # the pass's block of values as the real rows would have it (padding rows hold a token or
+        # few: 1.5B's one long row is fastest at 16 values, two rows at 32; docs/gpu.md)
+        bv = wkv_chunk.block_values(real, self.H, self.N, self.n_sm) if chunked else 0
+        return torch.from_numpy(np.concatenate(padded)), (tuple(f.shape[0] for f in fields), R, chunked, bv)
 
     def _pinned(self, host: Tensor) -> Tensor:
         # pinned: a true async copy (from pageable memory it may sync)
@@ -638,12 +642,12 @@ class CudaRunner(SlotStates):
     @staticmethod
     def _batch_views(dev: Tensor, layout: tuple) -> _Batch:
         """_Batch over the fields of one device tensor."""
-        sizes, R, chunked = layout
+        sizes, R, chunked, bv = layout
         views = [v[:n] for v, n in zip(dev.split([n + n % 2 for n in sizes]), sizes, strict=True)]
         return _Batch(
             tokens=views[0], tok_slot=views[1], tok_row=views[2], slots=views[3], rows=views[4].view(R, 3),
             cu_seqlens=views[5], tail=views[6], tail_slot=views[7], tail_row=views[8], tail_lasts=views[9],
-            chunk_indices=views[10].view(-1, 2) if chunked else None,
+            chunk_indices=views[10].view(-1, 2) if chunked else None, block_values=bv,
         )
 
     def _prefill_body(self, batch: _Batch) -> Tensor:
@@ -683,7 +687,8 @@ class CudaRunner(SlotStates):
             w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
             if wkv == "chunked":  # the chunked form's output kernel ends the time mix too
                 y = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
-                                            batch.chunk_indices, self.n_sm, finish=(lora[3], bonus, lw.prm, act))
+                                            batch.chunk_indices, self.n_sm, finish=(lora[3], bonus, lw.prm, act),
+                                            bv=batch.block_values)
             else:
                 o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
                 y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)

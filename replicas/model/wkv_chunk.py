@@ -216,7 +216,8 @@ def chunk_indices(lengths, n: int | None = None) -> torch.Tensor:
 
 
 def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                  chunk_indices: torch.Tensor, n_sm: int, finish: tuple | None = None) -> torch.Tensor:
+                  chunk_indices: torch.Tensor, n_sm: int, finish: tuple | None = None, bv: int | None = None,
+                  ) -> torch.Tensor:
     """The recurrence over ragged rows in the chunked form: o [T, C] in v's dtype; the rows' slots
     of state [S, H, N(values), N(keys)] advance in place. With finish = (g, bonus, prm, dtype),
     the time mix's output instead: kernels.wkv_finish(o, v, g, bonus, prm, H, dtype), from o in
@@ -236,15 +237,16 @@ def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor
                                                     SQUARINGS=CHUNK.bit_length() - 2,
                                                     F16=F16_INVERSE and N >= 64, num_warps=PREP_WARPS, **K._pdl())
     o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
-                  chunk_indices, n_sm, finish)
+                  chunk_indices, n_sm, finish, bv)
     return o.view(T, C)
 
 
 def state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state: torch.Tensor, slots: torch.Tensor,
               cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, n_sm: int,
-              finish: tuple | None = None) -> torch.Tensor:
+              finish: tuple | None = None, bv: int | None = None) -> torch.Tensor:
     """The pass over the chunks, then the outputs (see the module's docstring): o like v (or the
-    time mix's output, as chunk_prefill says); state advances in place.
+    time mix's output, as chunk_prefill says); state advances in place. bv: the pass's values a
+    program (default block_values of these rows).
 
     qg, kg, bg, w [.., T, H, N], u and v [.., T, H, N] in one 16-bit dtype, gi [.., T, H, N] fp32 (the
     decay's inclusive sums within chunks, in log2; read at each chunk's last token), A_qk, A_qb
@@ -254,7 +256,7 @@ def state_out(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state: torch.Tensor, slots: t
     R, n_chunks = slots.shape[0], chunk_indices.shape[0]
     v2 = torch.empty_like(v)
     h_c = torch.empty(n_chunks, H, N, N, device=v.device, dtype=v.dtype)  # the state at each chunk's start
-    bv = block_values(R, H, N, n_sm)
+    bv = bv or block_values(R, H, N, n_sm)
     _state_pass_kernel[(N // bv, H, R)](kg, bg, w, u, v, gi, v2, h_c, state, slots, cu_seqlens, H,
                                         N=N, BT=CHUNK, BV=bv, num_warps=4)
     g, bonus, prm, dtype = finish if finish is not None else (v, v, v, v.dtype)  # (unread without finish)
