@@ -23,10 +23,10 @@ recurrence in the chunked parallel form (wkv_chunk.py: a kernel over chunks, a p
 row's chunks, the outputs over chunks again, which end the time mix too) or a Triton recurrence
 over the rows (kernels.wkv_recurrent). No Python loop over tokens, no host synchronisation:
 inputs reach the GPU in one asynchronous copy per call (and a new prompt's logits are gathered by
-an index that goes up the same way). A call is padded to buckets of rows and tokens (rows on the
-scratch slot: _call_shape), and buckets seen before replay a CUDA graph of the call, whatever the
-rows' lengths. A new row's first token (its slot reset) runs first as a gemv decode step, fp32
-activations: see _plan.
+an index that goes up the same way). A call is padded to buckets of rows and tokens (rows on
+the scratch slot: call_shapes.py), and buckets seen before replay a CUDA graph of the call,
+whatever the rows' lengths. A new row's first token (its slot reset) runs first as a gemv decode
+step, fp32 activations: see call_shapes.plan.
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
 the slots' states).
@@ -50,6 +50,7 @@ from torch import Tensor
 
 from . import kernels as K
 from . import wkv_chunk
+from .call_shapes import AUTO_PATH_MAX, EXACT_PREFILL, buckets, call_shape, plan, row_bucket, warm_up_calls
 from .runner import SlotStates
 from .rwkv7 import RWKV7
 from .state import RNNState
@@ -66,16 +67,9 @@ LORAS = ("v", "w", "a", "g")  # the mixed buffer's order of their inputs (column
 LORA_ONE = ((0, 1, 2, 3),)
 LORA_SPLIT = ((0, 1, 2), (3,))
 LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at 4,096 and 16,384)
-AUTO_PATH_MAX = 64  # the gemv path serves at most this many rows (one block of rows)
 # Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
 # kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
 SECOND_IN_CORE_ROWS = 2
-# Prefills of up to this many tokens (padded: _call_shape) take the gemv path (fp32 activations, the
-# recurrent kernel); more, the large path. H200, one row, graphs (docs/gpu.md): the gemv path
-# costs about 0.07 ms a token at 1.5B (0.23 at 7.2B), the large path about 2.2-2.6 ms for 8-128
-# tokens (5.6-7.6 at 7.2B) plus a new row's first-token step; 16 tokens of a new row 2.67 against
-# 3.11 ms, 32 tokens 4.54 against 3.25.
-EXACT_PREFILL = 16
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 64  # prefill shapes (buckets) kept as CUDA graphs, least recently used dropped
 # The live-rows value product (kernels.gemv_live_rows) by default where W_v has at least this many
@@ -129,99 +123,6 @@ class _Batch:
 
 
 _ONE_ZERO = np.zeros(1, dtype=np.int64)  # pads a prefill call's odd-length index field to 16 bytes
-
-
-def _warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], bool]]]:
-    """Prefill calls that between them launch every kernel variant prefill can: per call, its
-    rows as (tokens, new prompt), one call a shape (_shape_key: none is seen twice, so none is
-    captured). Kernels specialise on what follows from a call's buckets: how many new rows its
-    first-token step takes (1 to AUTO_PATH_MAX) and whether it wants their logits, how many rows
-    the last layer's tail has (the gemv products up to AUTO_PATH_MAX, cuBLAS beyond), the tokens
-    of the gemv path (1 to EXACT_PREFILL) and of the large path (the LayerNorm's program a token
-    or run of tokens, the LoRAs' batching), a row or more (the pass's block of values)."""
-    def row(n: int, fresh: bool = False) -> tuple[list[int], bool]:
-        return [t % vocab for t in range(1, n + 1)], fresh
-
-    big = EXACT_PREFILL + 2  # a row that alone takes the large path
-    groups = min(max_slots - 1, AUTO_PATH_MAX)  # (one slot left for a row going on beside them)
-    calls = [[row(n)] for n in range(1, EXACT_PREFILL + 1)]  # the gemv path, one row
-    calls += [[row(1)] * r for r in range(2, min(max_slots, EXACT_PREFILL) + 1)]  # the gemv path, r rows
-    # the large path's lengths, new and going on (64, and 65 new: one row that fills its buckets)
-    for n in (big, 40, 64, 65, 100, 300, 600, 1100, 1600, 2100, 4100):
-        calls += [[row(n)], [row(n, True)]]
-    for g in range(1, groups + 1):  # first-token steps of g new rows, without and with their logits
-        calls.append([row(big // g + 2, True)] * g)
-        calls.append([row(1, True)] + [row(2, True)] * (g - 1) + [row(big)])
-    for m in range(3, max_slots + 1):  # tails of up to max_slots rows (2 entries a row)
-        calls.append([row(big)] + [row(1)] * (m - 1))
-    seen, unique = set(), []
-    for rows in calls:
-        key = _shape_key([len(tokens) for tokens, _ in rows], [fresh for _, fresh in rows])
-        if key not in seen:
-            seen.add(key)
-            unique.append(rows)
-    return unique
-
-
-def _row_bucket(n: int) -> int:
-    """Rows are padded to a power of 2 (a decode graph's bucket, a prefill call's rows)."""
-    return 1 << (n - 1).bit_length()
-
-
-def _token_bucket(n: int) -> int:
-    """A prefill call's tokens are padded to a power of 2 up to 128, then to a multiple of 64, and
-    from 512 up to a quarter of the power of 2 below (at most 25% more, mostly less): 640, 768,
-    896, 1024, 1280, ..., 4096, 5120, ... The large path's products cost little more for a few more
-    tokens, and a shape that recurs replays a graph."""
-    if n <= 128:
-        return _row_bucket(n)
-    step = max(64, 1 << (n.bit_length() - 3))
-    return -(-n // step) * step
-
-
-def _call_shape(rows: int, tokens: int) -> tuple[int, int]:
-    """The (rows, tokens) a prefill call is padded to: its buckets, with at least one more row
-    (of at least a token each) where the call does not already fill both."""
-    R, T = _row_bucket(rows), _token_bucket(tokens)
-    if (R, T) == (rows, tokens):
-        return R, T
-    if R == rows:
-        R *= 2
-    return R, _token_bucket(tokens + R - rows)
-
-
-def _plan(lengths: Sequence[int], fresh: Sequence[bool]) -> tuple[list[list[int]], list[int]]:
-    """How prefill runs rows of these lengths, `fresh` those from the zero state: groups of new rows
-    (at most AUTO_PATH_MAX a group) whose first tokens take a gemv decode step first, then the rows
-    that go on in the call (a new row's without its first token).
-
-    A row from the zero state: its first token's time-mix output is GroupNorm((r·k) v) per head,
-    whose sign turns where r·k is near 0, so that token's fp16 activations can move the whole row's
-    logits (up to 3e-2 on the random 1.5B model; tools/fp16_rounding.py). Its first token takes the
-    gemv step (fp32 activations), then the rest of the row the large path, in one call (one graph).
-    No groups where no row is new, or where the call takes the gemv path (fp32) anyway."""
-    new = [i for i, f in enumerate(fresh) if f]
-    if not new or _call_shape(len(lengths), sum(lengths))[1] <= EXACT_PREFILL:
-        return [], list(range(len(lengths)))
-    groups = [new[at:at + AUTO_PATH_MAX] for at in range(0, len(new), AUTO_PATH_MAX)]
-    return groups, [i for i, n in enumerate(lengths) if not fresh[i] or n > 1]
-
-
-def _shape_key(lengths: Sequence[int], fresh: Sequence[bool]) -> tuple:
-    """What a prefill call's graph (and its kernels' variants) follow: its steps' buckets and
-    whether they want logits, the buckets of the call after them."""
-    groups, rest = _plan(lengths, fresh)
-    steps = tuple((_row_bucket(len(g)), any(lengths[i] == 1 for i in g)) for g in groups)
-    went_on = [lengths[i] - (1 if groups and fresh[i] else 0) for i in rest]
-    return steps, _call_shape(len(went_on), sum(went_on)) if went_on else None
-
-
-def _buckets(max_rows: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_rows:
-        sizes.append(b)
-        b *= 2
-    return sizes + [b]
 
 
 class CudaRunner(SlotStates):
@@ -284,7 +185,7 @@ class CudaRunner(SlotStates):
         self._prefill_graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = OrderedDict()
         self._prefill_seen: OrderedDict[tuple, None] = OrderedDict()
         self._pool = None
-        self.buckets = _buckets(max_slots)
+        self.buckets = buckets(max_slots)
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -292,7 +193,7 @@ class CudaRunner(SlotStates):
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32.
 
-        A call is padded to its buckets (_call_shape: rows on the scratch slot), and a call whose
+        A call is padded to its buckets (call_shape: rows on the scratch slot), and a call whose
         buckets were seen before runs as a CUDA graph (captured on the second sight, up to
         `prefill_graphs` kept, least recently used dropped): prompts of other lengths share one.
         Other calls launch their kernels one by one, which costs host time for every launch
@@ -303,7 +204,7 @@ class CudaRunner(SlotStates):
             raise ValueError("every chunk needs at least one token")
         fresh = [row in self._fresh for row in rows]
         self._fresh.difference_update(rows)
-        groups, rest = _plan([len(c) for c in chunks], fresh)
+        groups, rest = plan([len(c) for c in chunks], fresh)
         if not groups:
             return self._prefill_parts([], (rows, chunks))[0]
         outs = self._prefill_parts(
@@ -331,7 +232,7 @@ class CudaRunner(SlotStates):
         to its buckets with rows on the scratch slot (one graph for every call of the same
         buckets): the real rows' logits (None for a step that wants none)."""
         real = [len(rows) for rows, _, _ in steps] + ([len(call[0])] if call is not None else [])
-        steps = [(self._padded(rows, _row_bucket(len(rows))), self._padded(tokens, _row_bucket(len(rows)), 0), want)
+        steps = [(self._padded(rows, row_bucket(len(rows))), self._padded(tokens, row_bucket(len(rows)), 0), want)
                  for rows, tokens, want in steps]
         pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
@@ -365,11 +266,11 @@ class CudaRunner(SlotStates):
         return [*items, *[self.scratch if fill is None else fill] * (n - len(items))]
 
     def _padded_call(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[list[int], list]:
-        """A prefill call padded to its buckets (_call_shape): rows on the scratch slot, the first
+        """A prefill call padded to its buckets (call_shape): rows on the scratch slot, the first
         taking the tokens left over, the others one each. No later layer, and no other row, reads
         a row's tokens but its own; what the padding rows leave in the scratch slot is never read."""
         R, T = len(rows), sum(len(c) for c in chunks)
-        R_b, T_b = _call_shape(R, T)
+        R_b, T_b = call_shape(R, T)
         if R_b == R:
             return list(rows), list(chunks)
         pad = R_b - R
@@ -443,13 +344,13 @@ class CudaRunner(SlotStates):
         launches, before any request. Otherwise serving waits for the compiler whenever a call of a
         new kind comes (0.2-1 s a variant on the H200 machine: a steady load of 256 requests spent
         11.5 s of its first 13.6 in 19 compiles; docs/gpu.md). Variants follow the calls' shapes,
-        so this runs one call of each kind (_warm_up_calls) on the slots, which it leaves as it
+        so this runs one call of each kind (warm_up_calls) on the slots, which it leaves as it
         found them: at the zero state, new. 1.5B with 256 slots on the H200: 62 calls, 6.3 s with
         Triton's cache warm (before calls were padded to buckets: 457 calls, 28 s warm, 54 cold)."""
         started = time.perf_counter()
         progress(f"warming up: the decode graphs of {len(self.buckets)} batch sizes")
         self.capture()
-        calls = _warm_up_calls(self.max_slots, self.vocab_size)
+        calls = warm_up_calls(self.max_slots, self.vocab_size)
         progress(f"warming up: {len(calls)} prefill calls of every kind")
         shown = time.perf_counter()
         for done, rows in enumerate(calls):

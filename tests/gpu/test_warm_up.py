@@ -3,7 +3,7 @@ kernels on what follows from a call's shape, and a variant met for the first tim
 held the whole batch for its compile (0.2-1 s each on the H200 machine; docs/gpu.md).
 
 The compile check needs a CUDA GPU (the interpreter compiles nothing); the warm-up's calls are
-checked for what the runner accepts wherever Triton imports.
+checked on the CPU in tests/unit/test_call_shapes.py.
 """
 
 from __future__ import annotations
@@ -21,31 +21,6 @@ from .conftest import CUDA
 
 pytestmark = [pytest.mark.gpu]
 SHAPE = ModelConfig(2, 256, 64, 1000, 1024, 32, 32, 32, 64)
-
-
-@pytest.mark.parametrize("max_slots", [1, 5, 80, 256])
-def test_warm_up_calls_fit_the_slots_and_are_each_seen_once(max_slots):
-    cuda_runner = pytest.importorskip("replicas.model.cuda_runner")
-    calls = cuda_runner._warm_up_calls(max_slots, 1000)
-    assert all(1 <= len(rows) <= max_slots for rows in calls)
-    assert all(all(tokens and all(0 <= t < 1000 for t in tokens) for tokens, _ in rows) for rows in calls)
-    shapes = [cuda_runner._shape_key([len(t) for t, _ in rows], [fresh for _, fresh in rows]) for rows in calls]
-    assert len(set(shapes)) == len(shapes)  # a shape seen twice would be captured as a graph
-
-
-def test_calls_are_padded_to_buckets_with_room_for_their_padding_rows():
-    """A call fills its buckets, or gets at least one more row, each padding row at least a token;
-    past 256 tokens the padding adds at most a quarter."""
-    cuda_runner = pytest.importorskip("replicas.model.cuda_runner")
-    rng = random.Random(1)
-    for _ in range(5000):
-        rows = rng.choice([1, 2, 3, 4, 7, 8, 64, 255, 256])
-        tokens = rows + rng.choice([0, 1, rng.randrange(128), rng.randrange(20000)])
-        R, T = cuda_runner._call_shape(rows, tokens)
-        assert R & (R - 1) == 0 and cuda_runner._token_bucket(T) == T
-        assert (R, T) == (rows, tokens) or (R > rows and T - tokens >= R - rows), (rows, tokens)
-        if tokens + R - rows > 256:
-            assert T <= 1.25 * (tokens + R - rows), (rows, tokens)
 
 
 @pytest.mark.skipif(not CUDA, reason="counts Triton's compiles on a CUDA GPU")
