@@ -232,8 +232,8 @@ class CudaRunner(SlotStates):
         to its buckets with rows on the scratch slot (one graph for every call of the same
         buckets): the real rows' logits (None for a step that wants none)."""
         real = [len(rows) for rows, _, _ in steps] + ([len(call[0])] if call is not None else [])
-        steps = [(self._padded(rows, row_bucket(len(rows))), self._padded(tokens, row_bucket(len(rows)), 0), want)
-                 for rows, tokens, want in steps]
+        steps = [(_filled(rows, row_bucket(n), self.scratch), _filled(tokens, row_bucket(n), 0), want)
+                 for (rows, tokens, want), n in zip(steps, real, strict=False)]
         pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
         if call is not None:
@@ -261,20 +261,16 @@ class CudaRunner(SlotStates):
         # (rewritten by the next replay)
         return [None if out is None else out[:n].clone() for out, n in zip(outs, real, strict=True)]
 
-    def _padded(self, items: Sequence[int], n: int, fill: int | None = None) -> list[int]:
-        """items filled up to n with `fill` (default: the scratch slot)."""
-        return [*items, *[self.scratch if fill is None else fill] * (n - len(items))]
-
     def _padded_call(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> tuple[list[int], list]:
         """A prefill call padded to its buckets (call_shape): rows on the scratch slot, the first
         taking the tokens left over, the others one each. No later layer, and no other row, reads
         a row's tokens but its own; what the padding rows leave in the scratch slot is never read."""
         R, T = len(rows), sum(len(c) for c in chunks)
         R_b, T_b = call_shape(R, T)
-        if R_b == R:
-            return list(rows), list(chunks)
         pad = R_b - R
-        return self._padded(rows, R_b), [*chunks, [0] * (T_b - T - pad + 1), *[[0]] * (pad - 1)]
+        if pad == 0:
+            return list(rows), list(chunks)
+        return _filled(rows, R_b, self.scratch), [*chunks, [0] * (T_b - T - pad + 1), *[[0]] * (pad - 1)]
 
     def _prefill_graph(self, key, host: Tensor, body) -> tuple | None:
         """The graph of a prefill shape seen before (captured now if need be); None on first sight."""
@@ -718,6 +714,11 @@ class CudaRunner(SlotStates):
         if choice == "auto":  # the chunked kernels run on the CPU only under Triton's interpreter, slowly
             return "chunked" if self.device.type == "cuda" else "recurrent"
         return choice
+
+
+def _filled(items: Sequence[int], n: int, fill: int) -> list[int]:
+    """items, then fill up to n of them."""
+    return [*items, *[fill] * (n - len(items))]
 
 
 def _tail_fields(lengths: np.ndarray, lasts: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
