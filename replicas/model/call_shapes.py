@@ -76,11 +76,7 @@ def shape_key(lengths: Sequence[int], fresh: Sequence[bool]) -> tuple:
 
 def buckets(max_rows: int) -> list[int]:
     """The decode graphs' batch sizes: powers of 2 up to the first that holds max_rows."""
-    sizes, b = [], 1
-    while b < max_rows:
-        sizes.append(b)
-        b *= 2
-    return sizes + [b]
+    return [1 << i for i in range(row_bucket(max_rows).bit_length())]
 
 
 def warm_up_calls(max_slots: int, vocab: int) -> list[list[tuple[list[int], bool]]]:
