@@ -560,7 +560,6 @@ class CudaRunner(SlotStates):
         exact = T <= EXACT_PREFILL
         act = torch.float32 if exact else self.dtype
         wkv = "recurrent" if exact else self.prefill_wkv
-        kv_dtype = self.dtype if wkv == "chunked" else torch.float32  # the chunk kernels' products take 16 bits
         K.PDL = self.pdl  # H200, 1.5B, 1 × 4096 launched kernel by kernel: 92k -> 114k tokens/s
         x = K.embed_ln(batch.tokens, self.emb, *self.ln0)
         x_next = torch.empty_like(x)  # x ping-pongs: the shift kernel reads the previous token's x
@@ -581,12 +580,12 @@ class CudaRunner(SlotStates):
                 lora = _kernel_order(lora_out.view(T, 4, C).unbind(1))
             else:
                 rkv, lora = self._projections(lw, mixed, T, self.fp32_outputs_prefill)
-            w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0, kv_dtype)
-            if wkv == "chunked":  # the chunked form's output kernel ends the time mix too
-                y = wkv_chunk.chunk_prefill(rkv[0], k, v, a, b, w_log, st.wkv[i], batch.slots, batch.cu_seqlens,
-                                            batch.chunk_indices, self.n_sm, finish=(lora[3], bonus, lw.prm, act),
-                                            bv=batch.block_values)
+            if wkv == "chunked":  # its first kernel prepares the inputs, its last ends the time mix
+                y = wkv_chunk.chunk_prefill(*rkv, *lora[:3], v_first, lw.prm, i == 0, st.wkv[i], batch.slots,
+                                            batch.cu_seqlens, batch.chunk_indices, self.n_sm, self.dtype,
+                                            finish=(lora[3], act), bv=batch.block_values)
             else:
+                w_log, k, v, a, b, bonus = K.wkv_prepare(*rkv, *lora[:3], v_first, lw.prm, H, i == 0)
                 o = K.wkv_recurrent(rkv[0], w_log, k, v, a, b, st.wkv[i], batch.rows, R)
                 y = K.wkv_finish(o, v, lora[3], bonus, lw.prm, H, act)
             tok_slot, tok_row, gemv = batch.tok_slot, batch.tok_row, exact

@@ -659,15 +659,36 @@ def _time_mix_params(prm, C, c, mask):
 def _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, AXIS: tl.constexpr, FIRST: tl.constexpr):
     """What the recurrence takes from a token's projections, a head's channels along AXIS: (log
     decay, k', v', a = -κ̂, b = κ̂·gate, the bonus Σ r·k'·r_k as a size-1 axis). On the first layer
-    v is v_first itself (vf unused)."""
-    w_log = -0.606531 * tl.sigmoid(w0 + wl)
+    v is v_first itself (vf unused). The chunked form's first kernel calls the parts one by one."""
+    k, a, b = _key_inputs(k, al, a0, k_k, k_a, AXIS)
+    return _log_decay(wl, w0), k, _value_input(v, vl, vf, v0, FIRST), a, b, _bonus(r, k, r_k, AXIS)
+
+
+@triton.jit
+def _log_decay(wl, w0):
+    return -0.606531 * tl.sigmoid(w0 + wl)
+
+
+@triton.jit
+def _key_inputs(k, al, a0, k_k, k_a, AXIS: tl.constexpr):
+    """(k', a = -κ̂, b = κ̂·gate) from k, κ̂ = k·k_k normalized over the head (AXIS)."""
     gate = tl.sigmoid(a0 + al)
     kk = k * k_k
     kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12)
-    k = k * (1.0 + (gate - 1.0) * k_a)
+    return k * (1.0 + (gate - 1.0) * k_a), -kk, kk * gate
+
+
+@triton.jit
+def _value_input(v, vl, vf, v0, FIRST: tl.constexpr):
+    """v': v drawn toward v_first (vf), itself on the first layer."""
     if not FIRST:
         v = v + (vf - v) * tl.sigmoid(v0 + vl)
-    return w_log, k, v, -kk, kk * gate, tl.sum(r * k * r_k, AXIS, keep_dims=True)
+    return v
+
+
+@triton.jit
+def _bonus(r, k, r_k, AXIS: tl.constexpr):
+    return tl.sum(r * k * r_k, AXIS, keep_dims=True)
 
 
 @triton.jit
@@ -794,14 +815,15 @@ def _wkv_finish_kernel(O, V2, G, ldg, bonus, prm, Y, H, C, gn_eps, N: tl.constex
     tl.store(Y + off, o.to(Y.dtype.element_ty), mask=mask)
 
 
-def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool, kv_dtype: torch.dtype):
-    """-> (w_log fp32, k', v', a, b in kv_dtype, bonus [T, H] fp32), all [T, C] but bonus.
+def wkv_prepare(r, k, v, wl, al, vl, v_first, prm, H: int, first: bool):
+    """-> (w_log, k', v', a, b, bonus [T, H]), all [T, C] but bonus, fp32 (the recurrent kernel's
+    inputs; the chunked form computes them in its first kernel).
 
     r, k, v share one row stride, wl, al, vl another (views into wider buffers are fine).
     """
     T, C = r.shape
     N = C // H
-    outs = [torch.empty(T, C, device=r.device, dtype=dt) for dt in (torch.float32,) + (kv_dtype,) * 4]
+    outs = [torch.empty(T, C, device=r.device, dtype=torch.float32) for _ in range(5)]
     bonus = torch.empty(T, H, device=r.device, dtype=torch.float32)
     _wkv_prepare_kernel[(T,)](r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, *outs, bonus, H, C,
                               N=N, BLOCK_H=_pow2(H), FIRST=first, num_warps=_warps(C), **_pdl())

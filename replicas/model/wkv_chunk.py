@@ -5,7 +5,10 @@ Per head, with h the state [N keys, N values], RWKV-7 runs token by token
 (a = -κ̂, b = κ̂·gate). Over a chunk of BT tokens this is a few dense products (the WY form of
 fla-core's chunk_dplr_fwd, whose five stages these three kernels replace):
 
-`_chunk_prep_kernel`, a program per (chunk, head), parallel over every chunk of every row: the
+`_chunk_prep_kernel`, a program per (chunk, head), parallel over every chunk of every row. It
+starts from the layer's projections: the log decay, k', v', a, b and the bonus, as
+kernels.wkv_prepare computes them for the recurrent kernel (since 12-02c; a kernel of its own
+before, which wrote them out for this one to read). Then the
 log₂ decays' sums gi within the chunk (ge: before each token, g_last: the chunk's), the gated
 inputs qg = r·2^gi, kg = k·2^(g_last-gi), bg = b·2^(g_last-gi), the intra-chunk matrices
 A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representation
@@ -98,15 +101,14 @@ def _state_pass_kernel(KG, BG, W, U, V, GI, V2, HC, S, slots, cu_seqlens, H,
 
 
 @triton.jit
-def _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N: tl.constexpr, BT: tl.constexpr):
-    """Chunk i_c's tokens for head i_h: (token offsets in the chunk, key offsets, the tokens [BT, 1],
-    how many of them lie in the row, their [BT, N] offsets in a [T, H, N] tensor)."""
+def _chunk_tile(cu_seqlens, chunk_indices, i_c, H, N: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_c: (its first token on the token axis, int64; how many of its BT tokens lie in the
+    row; the token offsets in the chunk [BT, 1], int32). Offsets past the first token stay 32-bit:
+    a tile of 64-bit offsets holds twice the registers (the prep kernel spilled 4 KB a thread)."""
     i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
-    o_t, o_k = tl.arange(0, BT), tl.arange(0, N)
-    tok = (bos + c * BT + o_t)[:, None]
-    return o_t, o_k, tok, n_valid, tok * (H * N) + i_h * N + o_k[None, :]
+    return bos + c * BT, n_valid, tl.arange(0, BT)[:, None]
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -116,15 +118,20 @@ def _chunk_out_kernel(QG, V, V2, AQK, AQB, HC, O, G, ldg, bonus, prm, cu_seqlens
     with FINISH, the time mix's end as kernels.wkv_finish (GroupNorm, bonus, gate) from o in fp32."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
-    o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
-    m_t = (o_t < n_valid)[:, None]
-    p_a = tok * (H * BT) + i_h * BT + o_t[None, :]  # [BT, BT] of a [T, H, BT] tensor
-    causal = o_t[:, None] >= o_t[None, :]
+    t0, n_valid, t = _chunk_tile(cu_seqlens, chunk_indices, i_c, H, N, BT)
+    if n_valid <= 0:  # an entry past the call's chunks (chunk_indices' padding): nothing to do
+        return
+    o_k = tl.arange(0, N)
+    m_t = t < n_valid
+    p = t * (H * N) + i_h * N + o_k[None, :]  # [BT, N] of a [T, H, N] tensor from the chunk's first token
+    p_a = t * (H * BT) + i_h * BT + tl.arange(0, BT)[None, :]  # [BT, BT] of a [T, H, BT] tensor
+    QG, V, V2, O = QG + t0 * (H * N), V + t0 * (H * N), V2 + t0 * (H * N), O + t0 * (H * N)
+    causal = t >= tl.arange(0, BT)[None, :]
     qg = tl.load(QG + p, mask=m_t, other=0.0)
     v = tl.load(V + p, mask=m_t, other=0.0)
     v2 = tl.load(V2 + p, mask=m_t, other=0.0)
-    a_qk = tl.where(causal, tl.load(AQK + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
-    a_qb = tl.where(causal, tl.load(AQB + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
+    a_qk = tl.where(causal, tl.load(AQK + t0 * (H * BT) + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
+    a_qb = tl.where(causal, tl.load(AQB + t0 * (H * BT) + p_a, mask=m_t, other=0.0), 0.0).to(v.dtype)
     hc = tl.load(HC + (i_c * H + i_h).to(tl.int64) * (N * N) + o_k[:, None] * N + o_k[None, :])
     o = tl.dot(qg, hc) + tl.dot(a_qk, v) + tl.dot(a_qb, v2)
     if FINISH:
@@ -133,8 +140,8 @@ def _chunk_out_kernel(QG, V, V2, AQK, AQB, HC, O, G, ldg, bonus, prm, cu_seqlens
         d = o - mean[:, None]
         o = d * tl.rsqrt(tl.sum(d * d, 1) / N + gn_eps)[:, None] * tl.load(prm + 6 * C + col)[None, :]
         o += tl.load(prm + 7 * C + col)[None, :]
-        o += tl.load(bonus + tok * H + i_h, mask=m_t, other=0.0) * v.to(tl.float32)
-        o *= tl.load(G + tok * ldg + col[None, :], mask=m_t, other=0.0).to(tl.float32)
+        o += tl.load(bonus + t0 * H + t * H + i_h, mask=m_t, other=0.0) * v.to(tl.float32)
+        o *= tl.load(G + t0 * ldg + t * ldg + col[None, :], mask=m_t, other=0.0).to(tl.float32)
     tl.store(O + p, o.to(O.dtype.element_ty), mask=m_t)
 
 
@@ -150,36 +157,56 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
 
 
 @triton.jit(do_not_specialize=["H"])
-def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_seqlens, chunk_indices, H,
-                       N: tl.constexpr, BT: tl.constexpr, SQUARINGS: tl.constexpr, F16: tl.constexpr,
-                       PDL: tl.constexpr):
-    """One (chunk, head): what the pass takes (see the module's docstring); SQUARINGS = log₂(BT) - 1."""
+def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, QG, KG, BG, W, U, GI, AQK, AQB,
+                       cu_seqlens, chunk_indices, H, C, N: tl.constexpr, BT: tl.constexpr, SQUARINGS: tl.constexpr,
+                       F16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+    """One (chunk, head): first the time mix's inputs from the projections, as kernels.wkv_prepare
+    (log decay, k', v', a, b, the bonus; v' and the bonus are stored for the pass and the outputs,
+    on the first layer v as v_first), then what the pass takes (the module's docstring).
+    SQUARINGS = log₂(BT) - 1."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
-    o_t, o_k, tok, n_valid, p = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, H, N, BT)
-    m_t = (o_t < n_valid)[:, None]
-    g = tl.load(WL + p, mask=m_t, other=0.0) * 1.4426950408889634  # log2 decays; 0 past the row's end
+    t0, n_valid, t = _chunk_tile(cu_seqlens, chunk_indices, i_c, H, N, BT)
+    if n_valid <= 0:  # an entry past the call's chunks (chunk_indices' padding): nothing to do
+        return
+    o_k = tl.arange(0, N)
+    m_t = t < n_valid
+    ch = i_h * N + o_k[None, :]  # the head's channels
+    p = t * (H * N) + ch  # [BT, N] of a [T, H, N] tensor from the chunk's first token
+    Rr, Kr, Vr = Rr + t0 * ldp, Kr + t0 * ldp, Vr + t0 * ldp
+    WLr, ALr, VLr = WLr + t0 * ldl, ALr + t0 * ldl, VLr + t0 * ldl
+    VF, V, BONUS, GI = VF + t0 * C, V + t0 * C, BONUS + t0 * H, GI + t0 * C
+    QG, KG, BG, W, U = QG + t0 * C, KG + t0 * C, BG + t0 * C, W + t0 * C, U + t0 * C
+    prm += ch  # the packed parameters [8, C] (kernels._time_mix_params), each read where it is used
+    # each input loaded where it is first needed, so that few [BT, N] tiles are live at once
+    # (spills: 4 warps, all loaded first, 3.9 KB a thread)
+    wl = tl.load(WLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+    g = tl.where(m_t, K._log_decay(wl, tl.load(prm)) * 1.4426950408889634, 0.0)  # log2 decays; 0 past the row's end
     gi = tl.cumsum(g, 0)  # through each token
     ge = gi - g  # before each token
     g_last = tl.sum(g, 0)
-    off = tl.sum(tl.where(o_t[:, None] <= n_valid // 2, g, 0.0), 0)  # the middle token's gi: 2^± stay in range
-    tl.store(GI + p, gi, mask=(o_t == n_valid - 1)[:, None])  # the pass reads the last token's only
+    off = tl.sum(tl.where(t <= n_valid // 2, g, 0.0), 0)  # the middle token's gi: 2^± stay in range
+    tl.store(GI + p, gi, mask=t == n_valid - 1)  # the pass reads the last token's only
+    k = tl.load(Kr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
+    al = tl.load(ALr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+    k, a, b = K._key_inputs(k, al, tl.load(prm + C), tl.load(prm + 3 * C), tl.load(prm + 4 * C), 1)
+    a = a.to(V.dtype.element_ty)  # (|a| <= 1) held in 16 bits until it is scaled, below
     to_end = tl.exp2(g_last[None, :] - gi)
-    from_mid = tl.exp2(off[None, :] - gi)
-    k = tl.load(Kk + p, mask=m_t, other=0.0).to(tl.float32)
-    b = tl.load(B + p, mask=m_t, other=0.0).to(tl.float32)
     tl.store(KG + p, (k * to_end).to(KG.dtype.element_ty), mask=m_t)
     tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
+    from_mid = tl.exp2(off[None, :] - gi)
     k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
-    q = tl.load(Q + p, mask=m_t, other=0.0).to(tl.float32)
+    q = tl.load(Rr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(BONUS + t * H + i_h, K._bonus(q, k, tl.load(prm + 5 * C), 1), mask=m_t)
     tl.store(QG + p, (q * tl.exp2(gi)).to(QG.dtype.element_ty), mask=m_t)
     q = q * tl.exp2(gi - off[None, :])
-    row, col = o_t[:, None], o_t[None, :]
-    p_a = tok * (H * BT) + i_h * BT + col  # [BT, BT] of a [T, H, BT] tensor
+    row, col = t, tl.arange(0, BT)[None, :]
+    AQK, AQB = AQK + t0 * (H * BT), AQB + t0 * (H * BT)
+    p_a = t * (H * BT) + i_h * BT + col  # [BT, BT] of a [T, H, BT] tensor
     # fp32 operands, tf32 products: the gated factors may leave fp16's range, their products do not
     tl.store(AQK + p_a, tl.where(row >= col, tl.dot(q, k_t), 0.0).to(AQK.dtype.element_ty), mask=m_t)
     tl.store(AQB + p_a, tl.where(row >= col, tl.dot(q, b_t), 0.0).to(AQB.dtype.element_ty), mask=m_t)
-    a = tl.load(A + p, mask=m_t, other=0.0).to(tl.float32) * tl.exp2(ge - off[None, :])
+    a = a.to(tl.float32) * tl.exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
     # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L^(BT/2)): L is strictly lower, so L^BT = 0. On heads of
@@ -193,8 +220,15 @@ def _chunk_prep_kernel(Q, Kk, A, B, V, WL, QG, KG, BG, W, U, GI, AQK, AQB, cu_se
     inv = inv.to(dt)
     w = tl.dot(inv, (a * tl.exp2(off[None, :])).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
-    v = tl.load(V + p, mask=m_t, other=0.0).to(dt)
-    u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v)
+    v = tl.load(Vr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
+    if FIRST:
+        tl.store(VF + p, v.to(VF.dtype.element_ty), mask=m_t)
+    else:
+        vl = tl.load(VLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+        v = K._value_input(v, vl, tl.load(VF + p, mask=m_t, other=0.0).to(tl.float32), tl.load(prm + 2 * C), FIRST)
+    v = v.to(V.dtype.element_ty)
+    tl.store(V + p, v, mask=m_t)
+    u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
 
@@ -215,28 +249,36 @@ def chunk_indices(lengths, n: int | None = None) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def chunk_prefill(r, k, v, a, b, w_log, state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                  chunk_indices: torch.Tensor, n_sm: int, finish: tuple | None = None, bv: int | None = None,
+def chunk_prefill(r, k, v, wl, al, vl, v_first: torch.Tensor, prm: torch.Tensor, first: bool, state: torch.Tensor,
+                  slots: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, n_sm: int,
+                  kv_dtype: torch.dtype = torch.float16, finish: tuple | None = None, bv: int | None = None,
                   ) -> torch.Tensor:
-    """The recurrence over ragged rows in the chunked form: o [T, C] in v's dtype; the rows' slots
-    of state [S, H, N(values), N(keys)] advance in place. With finish = (g, bonus, prm, dtype),
-    the time mix's output instead: kernels.wkv_finish(o, v, g, bonus, prm, H, dtype), from o in
-    fp32 and without its round trip through memory.
+    """The time mix's recurrence over ragged rows in the chunked form, from the projections: o
+    [T, C] in kv_dtype; the rows' slots of state [S, H, N(values), N(keys)] advance in place. With
+    finish = (g, dtype), the time mix's output instead: kernels.wkv_finish's math (GroupNorm,
+    bonus, gate) from o in fp32, without o's round trip through memory.
 
-    r, k, v, a, b [T, C] (k, v, a, b in one 16-bit dtype), w_log [T, C] fp32 (log decay);
-    cu_seqlens [R + 1] int64 the rows' bounds on the token axis; chunk_indices [n_chunks, 2]
-    (row, chunk within the row) for every chunk of CHUNK tokens.
+    r, k, v [T, C] sharing a row stride, wl, al, vl (the LoRAs' outputs) [T, C] sharing another,
+    v_first [T, C] (written on the first layer, read after), prm the layer's packed time-mix
+    parameters [8, C] (kernels.wkv_prepare takes the same); cu_seqlens [R + 1] int64 the rows'
+    bounds on the token axis; chunk_indices [n_chunks, 2] (row, chunk within the row) for every
+    chunk of CHUNK tokens (chunk_indices()). kv_dtype: the 16-bit dtype of the chunk kernels'
+    products.
     """
-    T, C = v.shape
+    T, C = r.shape
     H, N = state.shape[1], state.shape[2]
-    qg, kg, bg, w, u = (torch.empty_like(v) for _ in range(5))
-    gi = torch.empty(T, C, device=v.device, dtype=torch.float32)  # written at each chunk's last token
-    A_qk, A_qb = (torch.empty(T, H, CHUNK, device=v.device, dtype=v.dtype) for _ in range(2))
-    _chunk_prep_kernel[(chunk_indices.shape[0], H)](r, k, a, b, v, w_log, qg, kg, bg, w, u, gi, A_qk, A_qb,
-                                                    cu_seqlens, chunk_indices, H, N=N, BT=CHUNK,
-                                                    SQUARINGS=CHUNK.bit_length() - 2,
-                                                    F16=F16_INVERSE and N >= 64, num_warps=PREP_WARPS, **K._pdl())
-    o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v, gi)), A_qk, A_qb, state, slots, cu_seqlens,
+    dev = r.device
+    qg, kg, bg, w, u, v_ = (torch.empty(T, C, device=dev, dtype=kv_dtype) for _ in range(6))
+    bonus = torch.empty(T, H, device=dev, dtype=torch.float32)
+    gi = torch.empty(T, C, device=dev, dtype=torch.float32)  # written at each chunk's last token
+    A_qk, A_qb = (torch.empty(T, H, CHUNK, device=dev, dtype=kv_dtype) for _ in range(2))
+    _chunk_prep_kernel[(chunk_indices.shape[0], H)](
+        r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, v_, bonus, qg, kg, bg, w, u, gi, A_qk, A_qb,
+        cu_seqlens, chunk_indices, H, C, N=N, BT=CHUNK, SQUARINGS=CHUNK.bit_length() - 2,
+        F16=F16_INVERSE and N >= 64, FIRST=first, num_warps=PREP_WARPS, **K._pdl())
+    if finish is not None:
+        finish = (finish[0], bonus, prm, finish[1])
+    o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v_, gi)), A_qk, A_qb, state, slots, cu_seqlens,
                   chunk_indices, n_sm, finish, bv)
     return o.view(T, C)
 

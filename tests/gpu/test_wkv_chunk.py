@@ -1,6 +1,7 @@
 """The chunked recurrence's pass over the chunks (wkv_chunk.state_out) against its definition in
-float64; the whole chunked form against RWKV-7's recurrence (rwkv7.wkv_reference), and on long
-rows against fla-core's chunk_dplr_fwd's error.
+float64; the whole chunked form, from a layer's projections, against RWKV-7's recurrence
+(rwkv7.wkv_reference on kernels.wkv_prepare's inputs), and on long rows against fla-core's
+chunk_dplr_fwd's error.
 
 Marked `gpu`; all but the comparison with fla also run on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1).
@@ -19,6 +20,7 @@ from .conftest import CUDA, DEVICE, INTERPRET, KERNEL_MARKS, rel_err
 
 pytestmark = KERNEL_MARKS
 W = pytest.importorskip("replicas.model.wkv_chunk") if (CUDA or INTERPRET) else None
+K = pytest.importorskip("replicas.model.kernels") if (CUDA or INTERPRET) else None
 
 
 def reference(qg, kg, bg, w, u, v, gi, A_qk, A_qb, state, slots, cu):
@@ -79,36 +81,41 @@ def recurrence(r, k, v, a, b, w_log, state, slots, cu):
     return o, st
 
 
-def rwkv7_inputs(T, H, N, seed):
-    """Inputs shaped as RWKV-7 makes them: a = -κ̂, b = κ̂·gate with unit κ̂, log decays in [-0.607, 0]."""
+def rwkv7_inputs(T, H, N, seed, first=False):
+    """A layer's projections as the runner hands them to chunk_prefill (r, k, v, wl, al, vl in
+    fp16), v_first, the packed time-mix parameters [8, C], and the recurrence's inputs they make
+    (kernels.wkv_prepare, fp32: w_log, k', v', a, b, bonus)."""
     torch.manual_seed(seed)
-    r, k, v = (torch.randn(T, H, N, device=DEVICE) for _ in range(3))
-    kk = torch.nn.functional.normalize(torch.randn(T, H, N, device=DEVICE), dim=-1)
-    gate = torch.rand(T, H, N, device=DEVICE)
-    w_log = -0.606531 * torch.rand(T, H, N, device=DEVICE)
-    return [t.half().view(T, H * N) for t in (r, k, v, -kk, kk * gate)], w_log.view(T, H * N)
+    C = H * N
+    raw = [torch.randn(T, C, device=DEVICE).half() for _ in range(6)]
+    v_first = torch.randn(T, C, device=DEVICE).half()
+    prm = torch.randn(8, C, device=DEVICE)
+    return raw, v_first, prm, K.wkv_prepare(*raw, v_first.clone(), prm, H, first)
 
 
 def chunk_index(cu):
     return W.chunk_indices((cu[1:] - cu[:-1]).cpu()).to(DEVICE)
 
 
-@pytest.mark.parametrize("lengths", [[200], [64, 1, 130, 7]])
-def test_chunk_prefill_against_the_recurrence(lengths):
-    """The whole chunked form (our two kernels) against the recurrence token by token: ragged rows,
-    partial chunks, a one-token row, slots out of order; untouched slots keep their states."""
+@pytest.mark.parametrize("lengths, first", [([200], False), ([64, 1, 130, 7], True)])
+def test_chunk_prefill_against_the_recurrence(lengths, first):
+    """The whole chunked form (our three kernels, the inputs' preparation in the first) against the
+    recurrence token by token: ragged rows, partial chunks, a one-token row, slots out of order;
+    untouched slots keep their states; on the first layer v is v_first."""
     H, N, T = 2, 64, sum(lengths)
-    ins, w_log = rwkv7_inputs(T, H, N, seed=len(lengths))
+    raw, v_first, prm, (w_log, k, v, a, b, _) = rwkv7_inputs(T, H, N, seed=len(lengths), first=first)
     cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
     slots = torch.tensor([3, 0, 5, 1][:len(lengths)], device=DEVICE)
     state = 0.1 * torch.randn(6, H, N, N, device=DEVICE)
     before = state.clone()
-    o = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=8)
-    ref_o, ref_state = recurrence(*(t.view(T, H, N) for t in (*ins, w_log)), before, slots, cu)
+    o = W.chunk_prefill(*raw, v_first, prm, first, state, slots, cu, chunk_index(cu), n_sm=8)
+    ref_o, ref_state = recurrence(*(t.view(T, H, N) for t in (raw[0].float(), k, v, a, b, w_log)), before, slots, cu)
     assert rel_err(o.view(T, H, N), ref_o) <= 3e-3
     assert rel_err(state[slots], ref_state[slots.cpu()]) <= 3e-3
     for s in (2, 4):
         assert torch.equal(state[s], before[s])
+    if first:
+        assert torch.equal(v_first, raw[2])
 
 
 def _has_fla() -> bool:
@@ -146,17 +153,19 @@ def test_chunk_prefill_as_exact_as_fla(lengths):
     chunk_dplr_fwd = fla_chunk_dplr_fwd()
     H, N, S = 4, 64, 6
     T, R = sum(lengths), len(lengths)
-    ins, w_log = rwkv7_inputs(T, H, N, seed=1)
+    raw, v_first, prm, (w_log, k, v, a, b, _) = rwkv7_inputs(T, H, N, seed=1)
+    ins = [t.view(T, H, N) for t in (raw[0].float(), k, v, a, b)]
     cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
     slots = torch.tensor([4, 1, 0, 5][:R], device=DEVICE)
     state = 0.1 * torch.randn(S, H, N, N, device=DEVICE)
     before = state.clone()
-    ref_o, ref_state = recurrence(*(t.view(T, H, N) for t in (*ins, w_log)), before, slots, cu)
-    theirs, s1, *_ = chunk_dplr_fwd(*(t.view(1, T, H, N) for t in ins), gk=w_log.view(1, T, H, N), scale=1.0,
+    ref_o, ref_state = recurrence(*ins, w_log.view(T, H, N), before, slots, cu)
+    # fla's inputs in 16 bits, as it takes them (ours prepares them in fp32 from the 16-bit projections)
+    theirs, s1, *_ = chunk_dplr_fwd(*(t.half().view(1, T, H, N) for t in ins), gk=w_log.view(1, T, H, N), scale=1.0,
                                     initial_state=before[slots].transpose(-1, -2).contiguous(),
                                     output_final_state=True, cu_seqlens=cu, chunk_size=W.CHUNK, safe_gate=True,
                                     chunk_indices=chunk_index(cu))
-    ours = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=132)
+    ours = W.chunk_prefill(*raw, v_first, prm, False, state, slots, cu, chunk_index(cu), n_sm=132)
     err_o, err_s = rel_err(ours.view(T, H, N), ref_o), rel_err(state[slots], ref_state[slots.cpu()])
     fla_o, fla_s = rel_err(theirs.view(T, H, N), ref_o), rel_err(s1.transpose(-1, -2), ref_state[slots.cpu()])
     print(f"errors against the recurrence: ours {err_o:.2e} / {err_s:.2e}, fla {fla_o:.2e} / {fla_s:.2e}")
@@ -166,22 +175,18 @@ def test_chunk_prefill_as_exact_as_fla(lengths):
 def test_chunk_prefill_finishes_the_time_mix_as_wkv_finish():
     """With finish, the output kernel ends the time mix itself (GroupNorm, bonus, gate from o in
     fp32): the same as kernels.wkv_finish on the o it returns without, up to o's rounding."""
-    from replicas.model import kernels as K  # noqa: PLC0415
-
     lengths, H, N = [64, 1, 130, 7], 2, 64
     T, C = sum(lengths), 2 * 64
-    ins, w_log = rwkv7_inputs(T, H, N, seed=5)
+    raw, v_first, prm, (_, _, v, _, _, bonus) = rwkv7_inputs(T, H, N, seed=5)
     cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
     slots = torch.tensor([3, 0, 5, 1], device=DEVICE)
     state = 0.1 * torch.randn(6, H, N, N, device=DEVICE)
     before = state.clone()
     g = torch.rand(T, 2 * C, device=DEVICE).half()[:, C:]  # a strided view, as the runner's gate
-    bonus = torch.randn(T, H, device=DEVICE)
-    prm = torch.randn(8, C, device=DEVICE)
-    o = W.chunk_prefill(*ins, w_log, state, slots, cu, chunk_index(cu), n_sm=8)
-    expected = K.wkv_finish(o, ins[2], g, bonus, prm, H, torch.float32)
-    y = W.chunk_prefill(*ins, w_log, before, slots, cu, chunk_index(cu), n_sm=8,
-                        finish=(g, bonus, prm, torch.float32))
+    o = W.chunk_prefill(*raw, v_first, prm, False, state, slots, cu, chunk_index(cu), n_sm=8)
+    expected = K.wkv_finish(o, v, g, bonus, prm, H, torch.float32)
+    y = W.chunk_prefill(*raw, v_first, prm, False, before, slots, cu, chunk_index(cu), n_sm=8,
+                        finish=(g, torch.float32))
     assert y.dtype == torch.float32 and y.shape == (T, C)
     assert rel_err(y, expected) <= 3e-3
     assert torch.equal(before, state)
