@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from replicas.model.call_shapes import EXACT_PREFILL  # noqa: E402
 from replicas.model.config import ModelConfig  # noqa: E402
 from replicas.model.rwkv7 import RWKV7, wkv_chunked  # noqa: E402
 from replicas.model.state import RNNState  # noqa: E402
@@ -244,7 +245,7 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
     errors[for_scale] = prefill_from_zero(fp32_outputs_prefill=True)  # what writing them in fp32 would buy
     for_scale = f"(first tokens in fp16 too, for scale) prefill {runner.prefill_wkv}"
     errors[for_scale] = prefill_from_zero(fresh=False)  # what the fp32 first token spares
-    short = [toks(23), toks(9)]  # ≤ 128 tokens: the gemv path, fp32 activations
+    short = [toks(EXACT_PREFILL - 5), toks(5)]  # a call of EXACT_PREFILL tokens: the gemv path, fp32 activations
     for slot in (6, 7):
         runner.reset(slot)
         reference.reset(slot)
