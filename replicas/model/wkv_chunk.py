@@ -104,7 +104,7 @@ def _state_pass_kernel(KG, BG, W, U, V, GI, V2, HC, S, slots, cu_seqlens, H,
 def _chunk_tile(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
     """Chunk i_c: (its first token on the token axis, int64; how many of its BT tokens lie in the
     row; the token offsets in the chunk [BT, 1], int32). Offsets past the first token stay 32-bit:
-    a tile of 64-bit offsets holds twice the registers (the prep kernel spilled 4 KB a thread)."""
+    a tile of 64-bit offsets takes two registers an element, and the prep kernel is at 255."""
     i_n, c = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     n_valid = tl.minimum(tl.load(cu_seqlens + i_n + 1) - bos - c * BT, BT).to(tl.int32)
@@ -178,8 +178,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     VF, V, BONUS, GI = VF + t0 * C, V + t0 * C, BONUS + t0 * H, GI + t0 * C
     QG, KG, BG, W, U = QG + t0 * C, KG + t0 * C, BG + t0 * C, W + t0 * C, U + t0 * C
     prm += ch  # the packed parameters [8, C] (kernels._time_mix_params), each read where it is used
-    # each input loaded where it is first needed, so that few [BT, N] tiles are live at once (all
-    # loaded first, with 64-bit offsets: 4 warps spilled 3.9 KB a thread; 0.8 KB now, ptxas)
+    # each input loaded where it is first needed, so that few [BT, N] tiles are live at once
     wl = tl.load(WLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
     g = tl.where(m_t, K._log_decay(wl, tl.load(prm)) * 1.4426950408889634, 0.0)  # log2 decays; 0 past the row's end
     gi = tl.cumsum(g, 0)  # through each token
