@@ -177,7 +177,9 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     WLr, ALr, VLr = WLr + t0 * ldl, ALr + t0 * ldl, VLr + t0 * ldl
     VF, V, BONUS, GI = VF + t0 * C, V + t0 * C, BONUS + t0 * H, GI + t0 * C
     QG, KG, BG, W, U = QG + t0 * C, KG + t0 * C, BG + t0 * C, W + t0 * C, U + t0 * C
-    prm += ch  # the packed parameters [8, C] (kernels._time_mix_params), each read where it is used
+    # the packed parameters [8, C], rows w0, a0, v0, k_k, k_a, r_k (kernels._time_mix_params), then the
+    # GroupNorm's weight and bias: each read where it is used
+    prm += ch
     # each input loaded where it is first needed, so that few [BT, N] tiles are live at once
     wl = tl.load(WLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
     g = tl.where(m_t, K._log_decay(wl, tl.load(prm)) * 1.4426950408889634, 0.0)  # log2 decays; 0 past the row's end
