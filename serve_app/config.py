@@ -60,6 +60,9 @@ class AppConfig(BaseModel):
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica")
     max_queued_requests: int = Field(
         64, ge=-1, description="requests the ingress holds for a replica when all are full; beyond: 503; -1: no bound")
+    state_affinity: bool = Field(
+        True, description="send a request to the replica that last took the longest prefix of its prompt (its state "
+        "is likely cached there) unless that replica is a batch busier; false: Ray Serve's default router")
 
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests in flight per ingress replica")
@@ -102,6 +105,11 @@ class AppConfig(BaseModel):
             "health_check_period_s": 5.0,
             "graceful_shutdown_timeout_s": 30.0,
         }
+        if self.state_affinity:
+            options["request_router_config"] = {  # (serve_app/router.py)
+                "request_router_class": "serve_app.router:StateAffinityRouter",
+                "request_router_kwargs": {"block_tokens": self.engine.cache_min_tokens,
+                                          "imbalance": self.engine.max_slots}}
         if self.autoscaling is None:
             options["num_replicas"] = self.replicas
         else:

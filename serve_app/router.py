@@ -1,0 +1,105 @@
+"""Which replica a request goes to: the one that last took the longest prefix of its prompt.
+
+An RWKV sequence's history is its state, and a replica keeps the states of the prompts it ran (in
+a slot, then in its prefix cache). A conversation's next turn extends the last turn's prompt, so
+the replica that took that prompt can start from its state where any other must prefill it all.
+Ray Serve's default router (two replicas at random, the shorter queue wins) sends the next turn
+to another replica half the time with two replicas, and more often with more.
+
+`StateAffinityRouter` is a Ray Serve request router: every handle to the replica deployment runs
+one (the ingress's). It keeps its own record, with nothing published by the replicas: for every
+prompt it routes, the hash of each prefix at a multiple of `block_tokens` tokens (chained, so a
+key stands for the whole prefix, and seeded with the request's init state, whose states are apart
+in the cache) maps to the replica it went to; the newest routing wins, and the oldest keys go
+first past `max_prefixes`. A request goes to the replica of its longest recorded prefix, unless
+that replica's queue is longer than the shortest by more than `imbalance` requests; then, and
+when no prefix is recorded, to the default's two replicas at random. The record can be wrong (a
+replica evicted the state, restarted, or another handle routed since): then the request is
+prefilled there as it would be anywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from replicas.engine import Request
+
+BLOCK_TOKENS = 32  # the engine's cache_min_tokens: a shorter prefix's state is not kept
+MAX_PREFIXES = 1 << 20  # about 100 MB of record at most
+IMBALANCE = 8  # the engine's default slot count: a batch's worth of queue
+
+
+class StateAffinityRouter(FIFOMixin, RequestRouter):
+    """(FIFOMixin, as Ray Serve's default router: a replica found goes to the oldest request
+    waiting. Without it a replica goes to the request of the same internal id, which the choices
+    of one HTTP request share: one was routed, the others' routing spun probing the replicas.)"""
+
+    def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_prefixes: int = MAX_PREFIXES,
+                         imbalance: int = IMBALANCE) -> None:
+        self._block = block_tokens
+        self._max_prefixes = max_prefixes
+        self._imbalance = imbalance
+        self._owner: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix key -> the replica it last went to
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        either = two_at_random(candidate_replicas)
+        best = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
+        if best is None or self._queue(best) - min(map(self._queue, candidate_replicas)) > self._imbalance:
+            return [either]
+        return [[best], either]  # (the second rank if the holder turns out full)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        for key in prefix_keys(_request(pending_request), self._block):
+            self._owner[key] = replica_id
+            self._owner.move_to_end(key)
+        while len(self._owner) > self._max_prefixes:
+            self._owner.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        for key in [k for k, owner in self._owner.items() if owner == replica_id]:
+            del self._owner[key]
+
+    def _holder(self, candidates: Sequence[RunningReplica], keys: list[int]) -> RunningReplica | None:
+        """The candidate that last took the longest of these prefixes, if any did."""
+        by_id = {replica.replica_id: replica for replica in candidates}
+        for key in reversed(keys):
+            owner = self._owner.get(key)
+            if owner in by_id:
+                return by_id[owner]
+        return None
+
+    def _queue(self, replica: RunningReplica) -> int:
+        """Requests the replica holds as last heard (0 if not heard of yet)."""
+        return self._replica_queue_len_cache.get(replica.replica_id) or 0
+
+
+def prefix_keys(request: Request | None, block: int) -> list[int]:
+    """One key per prefix of `block`, 2·`block`, … tokens of the prompt (whole blocks only), each
+    standing for the whole prefix and the init state."""
+    if request is None:
+        return []
+    prompt, keys, key = request.prompt, [], hash(("init", request.init_state))
+    for end in range(block, len(prompt) + 1, block):
+        key = hash((key, tuple(prompt[end - block:end])))
+        keys.append(key)
+    return keys
+
+
+def two_at_random(candidates: Sequence[RunningReplica]) -> list[RunningReplica]:
+    """Ray Serve's default: two replicas at random (the router then takes the shorter queue)."""
+    return random.sample(list(candidates), min(2, len(candidates)))
+
+
+def _request(pending: PendingRequest | None) -> Request | None:
+    """The engine request a call to Replica.generate carries."""
+    if pending is None:
+        return None
+    return next((arg for arg in pending.args if isinstance(arg, Request)), None)
