@@ -4,12 +4,13 @@
 A local Ray and the rwkv-fleet application with N replicas of the demo model on the CPU, deployed
 twice, once with each router. Threads of token ids: each opens with a prompt of --prefix tokens,
 then each of --turns later turns extends the thread's previous prompt by --step tokens (a chat
-turn or an agent's tool output appended). The threads take turns one request at a time, so the
-latency of a request with max_tokens 1 is its time to first token. Per router: how many of the
+turn or an agent's tool output appended). The threads take turns one request at a time (with
+--concurrent, a turn of every thread at once), and a request asks for one token, so its latency
+is its time to first token. Per router: how many of the
 later turns found the previous prompt's state cached, the share of their prompt tokens that came
 from a cache, and their latency.
 
-    python bench/routing.py [--replicas 2] [--threads 8] [--turns 3] [--prefix 1000] [--step 100]
+    python bench/routing.py [--replicas 2] [--threads 8] [--turns 3] [--prefix 1000] [--step 100] [--concurrent]
 
 Prints progress to stderr and a Markdown table to stdout.
 """
@@ -17,6 +18,7 @@ Prints progress to stderr and a Markdown table to stdout.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import socket
 import statistics
@@ -42,20 +44,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_threads(url: str, args) -> dict:
-    """The threads' turns against the running application: figures of the later turns."""
+async def run_threads(url: str, args) -> dict:
+    """The threads' turns against the running application: figures of the later turns. A turn
+    sends every thread's request one after another, or with --concurrent all at once."""
     rng = random.Random(args.seed)
     threads = [[rng.randrange(300, 4000) for _ in range(args.prefix)] for _ in range(args.threads)]
     found, cached, total, latency = 0, 0, 0, []
-    with httpx.Client(base_url=url, timeout=120) as client:
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[int, float]:
+        start = time.perf_counter()
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        elapsed = time.perf_counter() - start
+        response.raise_for_status()
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"], elapsed
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         for turn in range(args.turns + 1):
-            for prompt in threads:
-                start = time.perf_counter()
-                response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-                elapsed = time.perf_counter() - start
-                response.raise_for_status()
+            if args.concurrent:
+                results = await asyncio.gather(*(one(client, prompt) for prompt in threads))
+            else:
+                results = [await one(client, prompt) for prompt in threads]
+            for prompt, (hit, elapsed) in zip(threads, results, strict=True):
                 if turn:
-                    hit = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                     found += hit >= len(prompt) - args.step
                     cached, total = cached + hit, total + len(prompt)
                     latency.append(elapsed * 1e3)
@@ -73,6 +83,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1000, help="tokens of a thread's first prompt")
     parser.add_argument("--step", type=int, default=100, help="tokens each later turn adds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrent", action="store_true", help="a turn's requests all at once")
     args = parser.parse_args()
 
     import ray  # noqa: PLC0415
@@ -89,14 +100,15 @@ def main() -> None:
             say(f"{name}: deploying")
             config = AppConfig(replicas=args.replicas, num_cpus=0, state_affinity=affinity)
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-            rows[name] = run_threads(f"http://127.0.0.1:{port}", args)
+            rows[name] = asyncio.run(run_threads(f"http://127.0.0.1:{port}", args))
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
 
     print(f"{args.replicas} replicas (demo model, CPU), {args.threads} threads of {args.prefix} tokens, "
-          f"{args.turns} later turns of +{args.step} tokens each; the later turns:\n")
+          f"{args.turns} later turns of +{args.step} tokens each, "
+          f"{'a turn of every thread at once' if args.concurrent else 'one request at a time'}; the later turns:\n")
     print("| router | previous prompt found cached | prompt tokens from a cache | latency ms, mean / p50 / max |")
     print("|---|---:|---:|---:|")
     for name, r in rows.items():
