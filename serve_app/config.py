@@ -62,7 +62,7 @@ class AppConfig(BaseModel):
         64, ge=-1, description="requests the ingress holds for a replica when all are full; beyond: 503; -1: no bound")
     state_affinity: bool = Field(
         True, description="send a request to the replica that last took the longest prefix of its prompt (its state "
-        "is likely cached there) unless that replica is a batch busier; false: Ray Serve's default router")
+        "is likely cached there) while it has a free slot; false: Ray Serve's default router")
 
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests in flight per ingress replica")
@@ -109,7 +109,7 @@ class AppConfig(BaseModel):
             options["request_router_config"] = {  # (serve_app/router.py)
                 "request_router_class": "serve_app.router:StateAffinityRouter",
                 "request_router_kwargs": {"block_tokens": self.engine.cache_min_tokens,
-                                          "imbalance": self.engine.max_slots}}
+                                          "slots": self.engine.max_slots}}
         if self.autoscaling is None:
             options["num_replicas"] = self.replicas
         else:

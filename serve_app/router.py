@@ -11,9 +11,10 @@ one (the ingress's). It keeps its own record, with nothing published by the repl
 prompt it routes, the hash of each prefix at a multiple of `block_tokens` tokens (chained, so a
 key stands for the whole prefix, and seeded with the request's init state, whose states are apart
 in the cache) maps to the replica it went to; the newest routing wins, and the oldest keys go
-first past `max_prefixes`. A request goes to the replica of its longest recorded prefix, unless
-that replica's queue is longer than the shortest by more than `imbalance` requests; then, and
-when no prefix is recorded, to the default's two replicas at random. The record can be wrong (a
+first past `max_prefixes`. A request goes to the replica of its longest recorded prefix while
+that replica has a free slot (fewer than `slots` requests) or no replica has fewer requests: a
+cached state saves a prefill, and waiting for a slot behind a full batch costs more than that.
+Otherwise, and when no prefix is recorded, it goes to the default's two replicas at random. The record can be wrong (a
 replica evicted the state, restarted, or another handle routed since): then the request is
 prefilled there as it would be anywhere.
 """
@@ -30,7 +31,7 @@ from replicas.engine import Request
 
 BLOCK_TOKENS = 32  # the engine's cache_min_tokens: a shorter prefix's state is not kept
 MAX_PREFIXES = 1 << 20  # about 100 MB of record at most
-IMBALANCE = 8  # the engine's default slot count: a batch's worth of queue
+SLOTS = 8  # the engine's default slot count
 
 
 class StateAffinityRouter(FIFOMixin, RequestRouter):
@@ -39,10 +40,10 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
     of one HTTP request share: one was routed, the others' routing spun probing the replicas.)"""
 
     def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_prefixes: int = MAX_PREFIXES,
-                         imbalance: int = IMBALANCE) -> None:
+                         slots: int = SLOTS) -> None:
         self._block = block_tokens
         self._max_prefixes = max_prefixes
-        self._imbalance = imbalance
+        self._slots = slots
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix key -> the replica it last went to
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -51,7 +52,7 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             return []
         either = two_at_random(candidate_replicas)
         best = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
-        if best is None or self._queue(best) - min(map(self._queue, candidate_replicas)) > self._imbalance:
+        if best is None or not self._may_wait_on(best, candidate_replicas):
             return [either]
         return [[best], either]  # (the second rank if the holder turns out full)
 
@@ -75,6 +76,11 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             if owner in by_id:
                 return by_id[owner]
         return None
+
+    def _may_wait_on(self, holder: RunningReplica, candidates: Sequence[RunningReplica]) -> bool:
+        """The holder has a free slot, or no replica is less busy."""
+        queue = self._queue(holder)
+        return queue < self._slots or queue <= min(map(self._queue, candidates))
 
     def _queue(self, replica: RunningReplica) -> int:
         """Requests the replica holds as last heard (0 if not heard of yet)."""

@@ -23,3 +23,40 @@ def test_prompts_that_extend_earlier_ones_start_from_their_states(client):
                 cached.append((body["usage"]["prompt_tokens_details"]["cached_tokens"], len(prompt) - 40))
             prompt += [rng.randrange(300, 60000) for _ in range(40)]
     assert all(got >= before for got, before in cached), cached
+
+
+def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
+    """A thread's prefix is on one replica; four long requests extending it fill that replica's
+    slots (they go there while it has a free slot). The thread's next turn then goes to the other
+    replica, idle, where nothing of it is cached."""
+    import threading
+
+    import httpx
+
+    from .conftest import SLOTS, wait_for
+
+    rng = random.Random(6)
+    prompt = [rng.randrange(300, 60000) for _ in range(96)]
+    assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    started, stop = [], threading.Event()
+
+    def long_request(i: int) -> None:
+        body = {"prompt": prompt + [1000 + i], "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for _ in r.iter_lines():
+                if not started.count(i):
+                    started.append(i)
+                if stop.is_set():
+                    return
+
+    workers = [threading.Thread(target=long_request, args=(i,)) for i in range(SLOTS)]
+    for w in workers:
+        w.start()
+    try:
+        wait_for(lambda: len(started) == SLOTS, what="the long requests streaming")
+        body = client.post("/v1/completions", json={"prompt": prompt + [7] * 40, "max_tokens": 1}).json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()

@@ -54,5 +54,5 @@ def test_deployment_options_follow_the_config():
     assert config.replica_config(num_gpus=0).device == "cpu" and config.replica_config(num_gpus=1).device == "cuda"
     router = options["request_router_config"]  # the state-affinity router, fit to the engine
     assert router["request_router_class"] == "serve_app.router:StateAffinityRouter"
-    assert router["request_router_kwargs"] == {"block_tokens": config.engine.cache_min_tokens, "imbalance": 6}
+    assert router["request_router_kwargs"] == {"block_tokens": config.engine.cache_min_tokens, "slots": 6}
     assert "request_router_config" not in AppConfig(state_affinity=False).replica_options(num_gpus=0)
