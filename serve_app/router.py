@@ -14,9 +14,9 @@ in the cache) maps to the replica it went to; the newest routing wins, and the o
 first past `max_prefixes`. A request goes to the replica of its longest recorded prefix while
 that replica has a free slot (fewer than `slots` requests) or no replica has fewer requests: a
 cached state saves a prefill, and waiting for a slot behind a full batch costs more than that.
-Otherwise, and when no prefix is recorded, it goes to the default's two replicas at random. The record can be wrong (a
-replica evicted the state, restarted, or another handle routed since): then the request is
-prefilled there as it would be anywhere.
+Otherwise, and when no prefix is recorded, it goes to the default's two replicas at random. The
+record can be wrong (a replica evicted the state, restarted, or another handle routed since):
+then the request is prefilled there as it would be anywhere.
 """
 
 from __future__ import annotations

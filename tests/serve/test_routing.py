@@ -4,8 +4,11 @@ extends an earlier one goes where that one ran, so it starts from the state cach
 from __future__ import annotations
 
 import random
+import threading
 
-from .conftest import REPLICAS
+import httpx
+
+from .conftest import REPLICAS, SLOTS, wait_for
 
 
 def test_prompts_that_extend_earlier_ones_start_from_their_states(client):
@@ -29,12 +32,6 @@ def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
     """A thread's prefix is on one replica; four long requests extending it fill that replica's
     slots (they go there while it has a free slot). The thread's next turn then goes to the other
     replica, idle, where nothing of it is cached."""
-    import threading
-
-    import httpx
-
-    from .conftest import SLOTS, wait_for
-
     rng = random.Random(6)
     prompt = [rng.randrange(300, 60000) for _ in range(96)]
     assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
