@@ -180,16 +180,29 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     # the packed parameters [8, C], rows w0, a0, v0, k_k, k_a, r_k (kernels._time_mix_params), then the
     # GroupNorm's weight and bias: each read where it is used
     prm += ch
-    # each input loaded where it is first needed, so that few [BT, N] tiles are live at once
+    # wl, k, al and r asked for at once, v' made and stored right after the decays' sums (then only
+    # its 16 bits stay live through the products): each input loaded where it was first needed cost
+    # one DRAM round trip after another (7.2B's shape, one launch: 354 -> 297 us; docs/gpu-history.md)
     wl = tl.load(WLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+    k16 = tl.load(Kr + t * ldp + ch, mask=m_t, other=0.0)
+    al16 = tl.load(ALr + t * ldl + ch, mask=m_t, other=0.0)
+    q16 = tl.load(Rr + t * ldp + ch, mask=m_t, other=0.0)
     g = tl.where(m_t, K._log_decay(wl, tl.load(prm)) * 1.4426950408889634, 0.0)  # log2 decays; 0 past the row's end
     gi = tl.cumsum(g, 0)  # through each token
     ge = gi - g  # before each token
     g_last = tl.sum(g, 0)
     off = tl.sum(tl.where(t <= n_valid // 2, g, 0.0), 0)  # the middle token's gi: 2^± stay in range
     tl.store(GI + p, gi, mask=t == n_valid - 1)  # the pass reads the last token's only
-    k = tl.load(Kr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
-    al = tl.load(ALr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+    v = tl.load(Vr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
+    if FIRST:
+        tl.store(VF + p, v.to(VF.dtype.element_ty), mask=m_t)
+    else:
+        vl = tl.load(VLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
+        v = K._value_input(v, vl, tl.load(VF + p, mask=m_t, other=0.0).to(tl.float32), tl.load(prm + 2 * C), FIRST)
+    v = v.to(V.dtype.element_ty)
+    tl.store(V + p, v, mask=m_t)
+    k = k16.to(tl.float32)
+    al = al16.to(tl.float32)
     k, a, b = K._key_inputs(k, al, tl.load(prm + C), tl.load(prm + 3 * C), tl.load(prm + 4 * C), 1)
     a = a.to(V.dtype.element_ty)  # (|a| <= 1) held in 16 bits until it is scaled, below
     to_end = tl.exp2(g_last[None, :] - gi)
@@ -197,7 +210,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
     from_mid = tl.exp2(off[None, :] - gi)
     k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
-    q = tl.load(Rr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
+    q = q16.to(tl.float32)
     tl.store(BONUS + t * H + i_h, K._bonus(q, k, tl.load(prm + 5 * C), 1), mask=m_t)
     tl.store(QG + p, (q * tl.exp2(gi)).to(QG.dtype.element_ty), mask=m_t)
     q = q * tl.exp2(gi - off[None, :])
@@ -221,14 +234,6 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     inv = inv.to(dt)
     w = tl.dot(inv, (a * tl.exp2(off[None, :])).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
-    v = tl.load(Vr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
-    if FIRST:
-        tl.store(VF + p, v.to(VF.dtype.element_ty), mask=m_t)
-    else:
-        vl = tl.load(VLr + t * ldl + ch, mask=m_t, other=0.0).to(tl.float32)
-        v = K._value_input(v, vl, tl.load(VF + p, mask=m_t, other=0.0).to(tl.float32), tl.load(prm + 2 * C), FIRST)
-    v = v.to(V.dtype.element_ty)
-    tl.store(V + p, v, mask=m_t)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
 
