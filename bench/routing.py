@@ -10,7 +10,11 @@ is its time to first token. Per router: how many of the
 later turns found the previous prompt's state cached, the share of their prompt tokens that came
 from a cache, and their latency.
 
-    python bench/routing.py [--replicas 2] [--threads 8] [--turns 3] [--prefix 1000] [--step 100] [--concurrent]
+    python bench/routing.py [--replicas 2] [--ingress 1] [--threads 8] [--turns 3] [--prefix 1000]
+                            [--step 100] [--concurrent]
+
+With --ingress 2 the HTTP side has two replicas, each routing about half the requests (the
+state-affinity routers share their records through the registry).
 
 Prints progress to stderr and a Markdown table to stdout.
 """
@@ -78,6 +82,7 @@ async def run_threads(url: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--ingress", type=int, default=1, help="ingress replicas (the HTTP side)")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3, help="turns after each thread's first")
     parser.add_argument("--prefix", type=int, default=1000, help="tokens of a thread's first prompt")
@@ -98,7 +103,8 @@ def main() -> None:
         for affinity in (True, False):
             name = "state affinity" if affinity else "Ray Serve's default"
             say(f"{name}: deploying")
-            config = AppConfig(replicas=args.replicas, num_cpus=0, state_affinity=affinity)
+            config = AppConfig(replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0,
+                               state_affinity=affinity)
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
             rows[name] = asyncio.run(run_threads(f"http://127.0.0.1:{port}", args))
             serve.delete(APP_NAME)
@@ -106,7 +112,8 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"{args.replicas} replicas (demo model, CPU), {args.threads} threads of {args.prefix} tokens, "
+    print(f"{args.replicas} replicas (demo model, CPU), {args.ingress} ingress replica(s), "
+          f"{args.threads} threads of {args.prefix} tokens, "
           f"{args.turns} later turns of +{args.step} tokens each, "
           f"{'a turn of every thread at once' if args.concurrent else 'one request at a time'}; the later turns:\n")
     print("| router | previous prompt found cached | prompt tokens from a cache | latency ms, mean / p50 / max |")

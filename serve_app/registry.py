@@ -2,9 +2,11 @@
 
 Owns the init-state catalog (id -> name, default flag, version, the safetensors bytes in the
 object store, owned by this actor so they outlive whoever uploaded them), the catalog's version,
-and the latest metrics each replica pushed (with the catalog version it has applied). Never on
-the path of a request: the ingress reads it for /v1/states and /metrics, replicas push to it
-every few seconds and long-poll it for catalog changes.
+the latest metrics each replica pushed (with the catalog version it has applied), and a log of
+the prompt prefixes the routers routed (router.py), through which each ingress replica's router
+learns the others'. Never on the path of a request: the ingress reads it for /v1/states and
+/metrics, replicas push to it every few seconds and long-poll it for catalog changes, routers
+trade their new routings with it every few tenths of a second.
 
 It is detached and named after the application, so it outlives replica and ingress restarts and
 a redeploy of the same application; `rwkv-fleet serve` removes it when it stops. If the actor
@@ -14,8 +16,10 @@ itself is lost, a new one starts empty and with a higher version, and replicas f
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import ray
@@ -23,6 +27,8 @@ import ray
 NAMESPACE = "rwkv-fleet"
 STALE_INTERVALS = 3  # a replica silent for this many push intervals (plus a grace) is gone
 STALE_GRACE_S = 2.0
+ROUTING_LOG = 1 << 20  # (prefix key, replica) entries the routing log keeps, newest last
+ROUTING_REPLY = 1 << 16  # entries at most in one answer (a router that starts late gets the newest)
 
 
 def registry_name(app_name: str) -> str:
@@ -79,6 +85,8 @@ class Registry:
         self._entries: dict[str, _Entry] = {}
         self._reports: dict[str, _Report] = {}
         self._changed = asyncio.Condition()  # notified when the catalog or an ack changes
+        self._routed: deque[tuple[str, int, str]] = deque(maxlen=ROUTING_LOG)  # (router, prefix key, replica)
+        self._routed_end = 0  # entries ever logged: the position after the newest
 
     # -- the init-state catalog ------------------------------------------------------------
 
@@ -152,6 +160,22 @@ class Registry:
                 pass
         late = pending()
         return [n for n in self._reports if n not in late], late
+
+    # -- the routers' record ---------------------------------------------------------------
+
+    async def share_routing(self, router: str, entries: list[tuple[int, str]], since: int,
+                            ) -> tuple[int, list[tuple[int, str]]]:
+        """Logs a router's new (prefix key, replica) entries; returns the log's end and the other
+        routers' entries from position `since` on (the newest ROUTING_REPLY of them)."""
+        self._routed.extend((router, key, replica) for key, replica in entries)
+        self._routed_end += len(entries)
+        if since > self._routed_end:  # the caller read a registry that has since restarted
+            since = 0
+        first = self._routed_end - len(self._routed)  # the oldest entry kept
+        start = max(since, first, self._routed_end - ROUTING_REPLY)
+        news = [(key, replica) for source, key, replica in itertools.islice(self._routed, start - first, None)
+                if source != router]
+        return self._routed_end, news
 
     # -- inside ----------------------------------------------------------------------------
 

@@ -7,21 +7,29 @@ Ray Serve's default router (two replicas at random, the shorter queue wins) send
 to another replica half the time with two replicas, and more often with more.
 
 `StateAffinityRouter` is a Ray Serve request router: every handle to the replica deployment runs
-one (the ingress's). It keeps its own record, with nothing published by the replicas: for every
-prompt it routes, the hash of each prefix at a multiple of `block_tokens` tokens (chained, so a
-key stands for the whole prefix, and seeded with the request's init state, whose states are apart
-in the cache) maps to the replica it went to; the newest routing wins, and the oldest keys go
-first past `max_prefixes`. A request goes to the replica of its longest recorded prefix while
-that replica has a free slot (fewer than `slots` requests) or no replica has fewer requests: a
-cached state saves a prefill, and waiting for a slot behind a full batch costs more than that.
-Otherwise, and when no prefix is recorded, it goes to the default's two replicas at random. The
-record can be wrong (a replica evicted the state, restarted, or another handle routed since):
-then the request is prefilled there as it would be anywhere.
+one (each ingress replica's). It keeps a record, with nothing published by the replicas: for every
+prompt routed, the hash of each prefix at a multiple of `block_tokens` tokens (chained, so a key
+stands for the whole prefix, and seeded with the request's init state, whose states are apart in
+the cache) maps to the replica it went to; the newest routing wins, and the oldest keys go first
+past `max_prefixes`. The routers of several ingress replicas share their records through the
+application's registry: every `sync_s` each sends what it routed since and takes in what the
+others did, so a conversation's turns find their replica whichever ingress replica each reaches.
+
+A request goes to the replica of its longest recorded prefix while that replica has a free slot
+(fewer than `slots` requests) or no replica has fewer requests: a cached state saves a prefill,
+and waiting for a slot behind a full batch costs more than that. Otherwise, and when no prefix is
+recorded, it goes to the default's two replicas at random. The record can be wrong (a replica
+evicted the state, restarted, or a routing elsewhere has not been shared yet): then the request
+is prefilled there as it would be anywhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
+import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -29,9 +37,15 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from replicas.engine import Request
 
+from . import registry
+
+log = logging.getLogger(__name__)
+
 BLOCK_TOKENS = 32  # the engine's cache_min_tokens: a shorter prefix's state is not kept
 MAX_PREFIXES = 1 << 20  # about 100 MB of record at most
 SLOTS = 8  # the engine's default slot count
+SYNC_S = 0.05  # how often the record is traded with the other routers (0: never)
+FIRST_TRADE_WAIT_S = 1.0  # how long a router's first requests wait for its first trade at most
 
 
 class StateAffinityRouter(FIFOMixin, RequestRouter):
@@ -40,14 +54,25 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
     of one HTTP request share: one was routed, the others' routing spun probing the replicas.)"""
 
     def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_prefixes: int = MAX_PREFIXES,
-                         slots: int = SLOTS) -> None:
+                         slots: int = SLOTS, sync_s: float = SYNC_S) -> None:
         self._block = block_tokens
         self._max_prefixes = max_prefixes
         self._slots = slots
-        self._owner: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix key -> the replica it last went to
+        self._sync_s = sync_s
+        self._owner: OrderedDict[int, str] = OrderedDict()  # prefix key -> the replica (unique id) it last went to
+        self._outbox: list[tuple[int, str]] = []  # what this router routed since it last shared
+        self._sharing: asyncio.Task | None = None
+        self._first_trade: asyncio.Future | None = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if self._sharing is None and self._sync_s > 0:  # (started here: the router's own event loop)
+            loop = asyncio.get_running_loop()
+            self._first_trade = loop.create_future()
+            self._sharing = loop.create_task(self._share())
+        if self._first_trade is not None and not self._first_trade.done():
+            # a router's first requests wait (once, briefly) for what the others have routed
+            await asyncio.wait([self._first_trade], timeout=FIRST_TRADE_WAIT_S)
         if not candidate_replicas:
             return []
         either = two_at_random(candidate_replicas)
@@ -57,20 +82,51 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
         return [[best], either]  # (the second rank if the holder turns out full)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        replica = replica_id.unique_id
         for key in prefix_keys(_request(pending_request), self._block):
-            self._owner[key] = replica_id
-            self._owner.move_to_end(key)
-        while len(self._owner) > self._max_prefixes:
-            self._owner.popitem(last=False)
+            self._record(key, replica)
+            if self._sync_s > 0:
+                self._outbox.append((key, replica))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        for key in [k for k, owner in self._owner.items() if owner == replica_id]:
+        for key in [k for k, owner in self._owner.items() if owner == replica_id.unique_id]:
             del self._owner[key]
+
+    def _record(self, key: int, replica: str) -> None:
+        self._owner[key] = replica
+        self._owner.move_to_end(key)
+        while len(self._owner) > self._max_prefixes:
+            self._owner.popitem(last=False)
+
+    async def _share(self) -> None:
+        """Every sync_s: what this router routed to the registry's log, the other routers' into the
+        record (a failed trade is retried with the next, its entries lost)."""
+        try:
+            loop = asyncio.get_running_loop()
+            log_of = await loop.run_in_executor(None, registry.connect, self._deployment_id.app_name)
+            me, seen = uuid.uuid4().hex, 0
+            while True:
+                out, self._outbox = self._outbox, []
+                try:
+                    seen, news = await log_of.share_routing.remote(me, out, seen)
+                except Exception as e:  # (the registry restarting)
+                    log.warning("sharing the routing record failed: %s", e)
+                else:
+                    # in the log's order: the others' entries came before those just sent, and those
+                    # routed meanwhile (the outbox) come after every one
+                    for key, replica in (*news, *out, *self._outbox):
+                        self._record(key, replica)
+                if not self._first_trade.done():
+                    self._first_trade.set_result(None)
+                await asyncio.sleep(self._sync_s)
+        finally:  # (no request waits for a trade that will not come)
+            if not self._first_trade.done():
+                self._first_trade.set_result(None)
 
     def _holder(self, candidates: Sequence[RunningReplica], keys: list[int]) -> RunningReplica | None:
         """The candidate that last took the longest of these prefixes, if any did."""
-        by_id = {replica.replica_id: replica for replica in candidates}
+        by_id = {replica.replica_id.unique_id: replica for replica in candidates}
         for key in reversed(keys):
             owner = self._owner.get(key)
             if owner in by_id:
@@ -89,10 +145,11 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
 
 def prefix_keys(request: Request | None, block: int) -> list[int]:
     """One key per prefix of `block`, 2·`block`, … tokens of the prompt (whole blocks only), each
-    standing for the whole prefix and the init state."""
+    standing for the whole prefix and the init state. The same in every process (the routers of
+    several ingress replicas trade them): tuples of ints hash alike everywhere, strings do not."""
     if request is None:
         return []
-    prompt, keys, key = request.prompt, [], hash(("init", request.init_state))
+    prompt, keys, key = request.prompt, [], zlib.crc32(repr(request.init_state).encode())
     for end in range(block, len(prompt) + 1, block):
         key = hash((key, tuple(prompt[end - block:end])))
         keys.append(key)

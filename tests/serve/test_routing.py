@@ -1,5 +1,7 @@
 """The state-affinity router (serve_app/router.py) on the session's two replicas: a prompt that
-extends an earlier one goes where that one ran, so it starts from the state cached there."""
+extends an earlier one goes where that one ran, so it starts from the state cached there; and on
+an application of two ingress replicas, whichever of them a request reaches (their routers share
+their records through the registry)."""
 
 from __future__ import annotations
 
@@ -7,24 +9,60 @@ import random
 import threading
 
 import httpx
+import pytest
+import ray
 
 from .conftest import REPLICAS, SLOTS, wait_for
 
+TWO = "two-ingresses"  # the second application's name and route
 
-def test_prompts_that_extend_earlier_ones_start_from_their_states(client):
+
+@pytest.fixture(scope="module")
+def two_ingresses(served):
+    """The session's application again, as a second one with two ingress replicas: its base URL."""
+    from ray import serve
+
+    from serve_app import registry
+    from serve_app.app import build_app
+
+    url, config = served
+    serve.run(build_app(config.model_copy(update={"ingress_replicas": 2})), name=TWO, route_prefix=f"/{TWO}")
+    try:
+        yield f"{url}/{TWO}"
+    finally:
+        serve.delete(TWO)
+        registry.remove(TWO)
+
+
+def extended_threads(client: httpx.Client) -> list[tuple[int, int]]:
     """Eight threads of 64 tokens, each extended by 40 tokens at each of three later turns, the
-    threads interleaved: each later turn reports the tokens of the turn before as cached. With two
-    replicas chosen at random, each later turn would find them with a chance of about one half."""
-    assert REPLICAS == 2
+    threads interleaved: (cached tokens, tokens of the turn before) of every later turn."""
     rng = random.Random(5)
     threads = [[rng.randrange(300, 60000) for _ in range(64)] for _ in range(8)]
     cached = []
     for turn in range(4):
         for prompt in threads:
-            body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+            body = client.post("v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
             if turn:
                 cached.append((body["usage"]["prompt_tokens_details"]["cached_tokens"], len(prompt) - 40))
             prompt += [rng.randrange(300, 60000) for _ in range(40)]
+    return cached
+
+
+def test_prompts_that_extend_earlier_ones_start_from_their_states(client):
+    """Each later turn finds the turn before cached. With two replicas chosen at random, each
+    would find it with a chance of about one half."""
+    assert REPLICAS == 2
+    cached = extended_threads(client)
+    assert all(got >= before for got, before in cached), cached
+
+
+def test_so_they_do_through_either_of_two_ingress_replicas(two_ingresses):
+    """The same with two ingress replicas, whose routers each see about half the requests: each
+    finds the other's routings in the record they share. Without the sharing, each later turn
+    would find the turn before with a chance of about three quarters."""
+    with httpx.Client(base_url=f"{two_ingresses}/", timeout=60) as client:
+        cached = extended_threads(client)
     assert all(got >= before for got, before in cached), cached
 
 
@@ -57,3 +95,23 @@ def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
         stop.set()
         for w in workers:
             w.join()
+
+
+def test_the_registry_passes_each_router_the_others_routings(served):
+    """The registry's routing log (what the routers share): a router gets the others' entries
+    from where it last read, never its own; a position past the log's end (the registry
+    restarted since) reads from the start."""
+    from serve_app import registry
+
+    log = registry.connect("routing-log-test")
+    try:
+        end, news = ray.get(log.share_routing.remote("a", [(1, "r1"), (2, "r1")], 0))
+        assert (end, news) == (2, [])
+        end, news = ray.get(log.share_routing.remote("b", [(3, "r2")], 0))
+        assert (end, news) == (3, [(1, "r1"), (2, "r1")])
+        end, news = ray.get(log.share_routing.remote("a", [], 2))
+        assert (end, news) == (3, [(3, "r2")])
+        assert ray.get(log.share_routing.remote("a", [], 3)) == (3, [])
+        assert ray.get(log.share_routing.remote("c", [], 10)) == (3, [(1, "r1"), (2, "r1"), (3, "r2")])
+    finally:
+        registry.remove("routing-log-test")

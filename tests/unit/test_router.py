@@ -4,6 +4,10 @@ replicas in tests/serve/test_routing.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from replicas.engine import Request
 from serve_app.router import prefix_keys
 
@@ -28,3 +32,14 @@ def test_keys_of_another_init_state_are_apart():
 def test_short_prompts_and_calls_without_a_request_have_no_keys():
     assert prefix_keys(Request(list(range(31))), 32) == []
     assert prefix_keys(None, 32) == []
+
+
+def test_keys_are_the_same_in_every_process():
+    """The routers of several ingress replicas trade keys, so a key may not depend on the process:
+    Python salts the hashes of strings per process (the init state's name seeded the keys so once,
+    and two ingress replicas never found each other's routings)."""
+    code = ("from replicas.engine import Request; from serve_app.router import prefix_keys; "
+            "print(prefix_keys(Request(list(range(64)), init_state='persona'), 32))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert runs[0] == runs[1] == f"{prefix_keys(Request(list(range(64)), init_state='persona'), 32)}\n"
