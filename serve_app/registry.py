@@ -6,7 +6,7 @@ the latest metrics each replica pushed (with the catalog version it has applied)
 the prompt prefixes the routers routed (router.py), through which each ingress replica's router
 learns the others'. Never on the path of a request: the ingress reads it for /v1/states and
 /metrics, replicas push to it every few seconds and long-poll it for catalog changes, routers
-trade their new routings with it every few tenths of a second.
+trade their new routings with it every 50 ms.
 
 It is detached and named after the application, so it outlives replica and ingress restarts and
 a redeploy of the same application; `rwkv-fleet serve` removes it when it stops. If the actor
