@@ -12,8 +12,9 @@ prompt routed, the hash of each prefix at a multiple of `block_tokens` tokens (c
 stands for the whole prefix, and seeded with the request's init state, whose states are apart in
 the cache) maps to the replica it went to; the newest routing wins, and the oldest keys go first
 past `max_prefixes`. The routers of several ingress replicas share their records through the
-application's registry: every `sync_s` each sends what it routed since and takes in what the
-others did, so a conversation's turns find their replica whichever ingress replica each reaches.
+application's registry: every `sync_s` each sends the keys whose replica it changed since and
+takes in what the others did, so a conversation's turns find their replica whichever ingress
+replica each reaches.
 
 A request goes to the replica of its longest recorded prefix while that replica has a free slot
 (fewer than `slots` requests) or no replica has fewer requests: a cached state saves a prefill,
@@ -84,9 +85,9 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         replica = replica_id.unique_id
         for key in prefix_keys(_request(pending_request), self._block):
-            self._record(key, replica)
-            if self._sync_s > 0:
+            if self._sync_s > 0 and self._owner.get(key) != replica:  # (a turn that stays sends its new keys only)
                 self._outbox.append((key, replica))
+            self._record(key, replica)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
