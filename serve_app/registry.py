@@ -4,9 +4,10 @@ Owns the init-state catalog (id -> name, default flag, version, the safetensors 
 object store, owned by this actor so they outlive whoever uploaded them), the catalog's version,
 the latest metrics each replica pushed (with the catalog version it has applied), and a log of
 the prompt prefixes the routers routed (router.py), through which each ingress replica's router
-learns the others'. Never on the path of a request: the ingress reads it for /v1/states and
-/metrics, replicas push to it every few seconds and long-poll it for catalog changes, routers
-trade their new routings with it every 50 ms.
+learns the others'. Never on the path of a request (but a router's first, which waits for its
+first trade): the ingress reads it for /v1/states and /metrics, replicas push to it every few
+seconds and long-poll it for catalog changes, routers trade their new routings with it every
+50 ms.
 
 It is detached and named after the application, so it outlives replica and ingress restarts and
 a redeploy of the same application; `rwkv-fleet serve` removes it when it stops. If the actor
