@@ -16,6 +16,7 @@ Layouts (T = tokens or decode rows, C = n_embd, H heads of N, slot = a row of th
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,36 @@ PDL = False
 
 def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# The hardware's approximate exp2 and reciprocal, one instruction each (flush-to-zero). Triton's exp2
+# guards against denormal results (four instructions an element) and its division takes an
+# IEEE-safe path (sigmoid: 14-16 instructions an element where _sigmoid takes 4); the chunk prep
+# kernel is bound by the instructions it issues at its two programs a multiprocessor
+# (docs/gpu-history.md, 12-02e). The interpreter runs the plain forms (it has no PTX).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def _exp2(x):
+        return tl.exp2(x)
+
+    @triton.jit
+    def _rcp(x):
+        return 1.0 / x
+else:
+    @triton.jit
+    def _exp2(x):
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _rcp(x):
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _sigmoid(x):
+    return _rcp(1.0 + _exp2(x * -1.4426950408889634))
 
 
 def _pdl() -> dict:
@@ -666,15 +697,15 @@ def _time_mix_inputs(r, k, v, wl, al, vl, vf, w0, a0, v0, k_k, k_a, r_k, AXIS: t
 
 @triton.jit
 def _log_decay(wl, w0):
-    return -0.606531 * tl.sigmoid(w0 + wl)
+    return -0.606531 * _sigmoid(w0 + wl)
 
 
 @triton.jit
 def _key_inputs(k, al, a0, k_k, k_a, AXIS: tl.constexpr):
     """(k', a = -κ̂, b = κ̂·gate) from k, κ̂ = k·k_k normalized over the head (AXIS)."""
-    gate = tl.sigmoid(a0 + al)
+    gate = _sigmoid(a0 + al)
     kk = k * k_k
-    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12)
+    kk = kk * _rcp(tl.maximum(tl.sqrt(tl.sum(kk * kk, AXIS, keep_dims=True)), 1e-12))
     return k * (1.0 + (gate - 1.0) * k_a), -kk, kk * gate
 
 
@@ -682,7 +713,7 @@ def _key_inputs(k, al, a0, k_k, k_a, AXIS: tl.constexpr):
 def _value_input(v, vl, vf, v0, FIRST: tl.constexpr):
     """v': v drawn toward v_first (vf), itself on the first layer."""
     if not FIRST:
-        v = v + (vf - v) * tl.sigmoid(v0 + vl)
+        v = v + (vf - v) * _sigmoid(v0 + vl)
     return v
 
 

@@ -13,7 +13,7 @@ log₂ decays' sums gi within the chunk (ge: before each token, g_last: the chun
 inputs qg = r·2^gi, kg = k·2^(g_last-gi), bg = b·2^(g_last-gi), the intra-chunk matrices
 A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representation
     w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
-and A_ak likewise with k. Exponents are taken from the chunk's middle token, so no factor leaves
+and A_ak likewise with k. Exponents are taken from half the chunk's decay, so no factor leaves
 fp32's range (fla's fp16 operands could overflow on strong decays); these products are tf32. The
 inverse is a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0), in fp16
 operands on heads of 64 (25% faster than tf32 there; fp16 faulted on heads of 32). It replaces
@@ -191,8 +191,8 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     gi = tl.cumsum(g, 0)  # through each token
     ge = gi - g  # before each token
     g_last = tl.sum(g, 0)
-    off = tl.sum(tl.where(t <= n_valid // 2, g, 0.0), 0)  # the middle token's gi: 2^± stay in range
-    tl.store(GI + p, gi, mask=t == n_valid - 1)  # the pass reads the last token's only
+    off = 0.5 * g_last  # 2^(gi - off) and its inverse stay in range (|g| < 0.88 a token)
+    tl.store(GI + (n_valid - 1) * C + i_h * N + o_k, g_last)  # the pass reads the last token's gi only
     v = tl.load(Vr + t * ldp + ch, mask=m_t, other=0.0).to(tl.float32)
     if FIRST:
         tl.store(VF + p, v.to(VF.dtype.element_ty), mask=m_t)
@@ -205,22 +205,22 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     al = al16.to(tl.float32)
     k, a, b = K._key_inputs(k, al, tl.load(prm + C), tl.load(prm + 3 * C), tl.load(prm + 4 * C), 1)
     a = a.to(V.dtype.element_ty)  # (|a| <= 1) held in 16 bits until it is scaled, below
-    to_end = tl.exp2(g_last[None, :] - gi)
+    from_mid = K._exp2(off[None, :] - gi)
+    to_end = from_mid * K._exp2(off)[None, :]  # 2^(g_last - gi)
     tl.store(KG + p, (k * to_end).to(KG.dtype.element_ty), mask=m_t)
     tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
-    from_mid = tl.exp2(off[None, :] - gi)
     k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
     q = q16.to(tl.float32)
     tl.store(BONUS + t * H + i_h, K._bonus(q, k, tl.load(prm + 5 * C), 1), mask=m_t)
-    tl.store(QG + p, (q * tl.exp2(gi)).to(QG.dtype.element_ty), mask=m_t)
-    q = q * tl.exp2(gi - off[None, :])
+    q = q * K._exp2(gi - off[None, :])
+    tl.store(QG + p, (q * K._exp2(off)[None, :]).to(QG.dtype.element_ty), mask=m_t)  # r·2^gi
     row, col = t, tl.arange(0, BT)[None, :]
     AQK, AQB = AQK + t0 * (H * BT), AQB + t0 * (H * BT)
     p_a = t * (H * BT) + i_h * BT + col  # [BT, BT] of a [T, H, BT] tensor
     # fp32 operands, tf32 products: the gated factors may leave fp16's range, their products do not
     tl.store(AQK + p_a, tl.where(row >= col, tl.dot(q, k_t), 0.0).to(AQK.dtype.element_ty), mask=m_t)
     tl.store(AQB + p_a, tl.where(row >= col, tl.dot(q, b_t), 0.0).to(AQB.dtype.element_ty), mask=m_t)
-    a = a.to(tl.float32) * tl.exp2(ge - off[None, :])
+    a = a.to(tl.float32) * K._exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
     # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L^(BT/2)): L is strictly lower, so L^BT = 0. On heads of
@@ -232,7 +232,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
         L = tl.dot(L.to(dt), L.to(dt))
         inv += tl.dot(inv.to(dt), L.to(dt))
     inv = inv.to(dt)
-    w = tl.dot(inv, (a * tl.exp2(off[None, :])).to(dt))
+    w = tl.dot(inv, (a * K._exp2(off[None, :])).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
