@@ -11,11 +11,16 @@ and the cubin's resource use is read back with Triton's bundled cuobjdump: regis
 stack frame bytes per thread (where ptxas spills registers; LOCAL, local arrays, stays 0 for
 spills), shared memory. Nothing is executed, so no result is checked: tests/gpu do that.
 
-    python tools/compile_kernels.py      # one line per launch; exit 1 if any fails to compile
+    python tools/compile_kernels.py         # one line per launch; exit 1 if any fails to compile
+    python tools/compile_kernels.py --sass  # and each launch's SASS: instructions a thread, top opcodes
+
+The SASS counts are static (every loop body once), which for the loop-free chunk prep kernel is
+what a thread runs: they showed Triton computing its decays twice, in two layouts (12-02e).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -143,8 +148,22 @@ def resource_use(cubin: bytes) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
 
 
-def compile_all(launches: list) -> list[tuple[str, str]]:
-    """Compiles each distinct launch; returns (launch, error) for those that fail."""
+def sass_counts(cubin: bytes) -> collections.Counter:
+    """The cubin's SASS instructions by opcode (static counts), from Triton's bundled cuobjdump."""
+    import triton  # noqa: PLC0415
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([os.fspath(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    line = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)  # [guard] op
+    return collections.Counter(m.group(1) for m in line.finditer(out))
+
+
+def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
+    """Compiles each distinct launch; returns (launch, error) for those that fail. With sass, each
+    launch's SASS instruction count and its most frequent opcodes too."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
 
@@ -161,6 +180,10 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
             use = resource_use(compiled.asm["cubin"]) | {"SMEM": compiled.metadata.shared}
             spills = " SPILLS" if use.get("STACK") or use.get("LOCAL") else ""
             print(f"ok    {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}", flush=True)
+            if sass:
+                ops = sass_counts(compiled.asm["cubin"])
+                top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                print(f"      SASS: {sum(ops.values())} instructions a thread ({top})", flush=True)
         except Exception as error:  # noqa: BLE001 - every compiler error is a finding to report
             failures.append((label, str(error)))
             print(f"FAIL  {label}\n{error}\n{error.__cause__!r}", flush=True)
@@ -168,7 +191,7 @@ def compile_all(launches: list) -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    failures = compile_all(exercise_runner() + exercise_sampler())
+    failures = compile_all(exercise_runner() + exercise_sampler(), sass="--sass" in sys.argv[1:])
     print(f"{len(failures)} launch(es) failed to compile for sm_90" if failures else "every launch compiles for sm_90")
     return 1 if failures else 0
 
