@@ -133,32 +133,30 @@ def exercise_sampler() -> list:
     return launches
 
 
-def resource_use(cubin: bytes) -> dict[str, int]:
-    """Registers per thread (REG), stack frame bytes per thread (STACK: spills) and local arrays
-    (LOCAL) of the cubin's kernel, from cuobjdump; empty if the tool is missing."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """What Triton's bundled cuobjdump prints for the cubin with this flag; empty if it is missing."""
     import triton  # noqa: PLC0415
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return {}
+        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([os.fspath(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([os.fspath(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_use(cubin: bytes) -> dict[str, int]:
+    """Registers per thread (REG), stack frame bytes per thread (STACK: spills) and local arrays
+    (LOCAL) of the cubin's kernel, from cuobjdump; empty if the tool is missing."""
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
 
 
 def sass_counts(cubin: bytes) -> collections.Counter:
-    """The cubin's SASS instructions by opcode (static counts), from Triton's bundled cuobjdump."""
-    import triton  # noqa: PLC0415
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([os.fspath(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    """The cubin's SASS instructions by opcode (static counts), from cuobjdump."""
     line = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)  # [guard] op
-    return collections.Counter(m.group(1) for m in line.finditer(out))
+    return collections.Counter(m.group(1) for m in line.finditer(_cuobjdump(cubin, "-sass")))
 
 
 def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
