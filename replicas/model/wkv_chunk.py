@@ -205,15 +205,16 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     al = al16.to(tl.float32)
     k, a, b = K._key_inputs(k, al, tl.load(prm + C), tl.load(prm + 3 * C), tl.load(prm + 4 * C), 1)
     a = a.to(V.dtype.element_ty)  # (|a| <= 1) held in 16 bits until it is scaled, below
+    up = K._exp2(off)[None, :]  # 2^off, a column's factor (g_last = 2·off)
     from_mid = K._exp2(off[None, :] - gi)
-    to_end = from_mid * K._exp2(off)[None, :]  # 2^(g_last - gi)
+    to_end = from_mid * up  # 2^(g_last - gi)
     tl.store(KG + p, (k * to_end).to(KG.dtype.element_ty), mask=m_t)
     tl.store(BG + p, (b * to_end).to(BG.dtype.element_ty), mask=m_t)
     k_t, b_t = tl.trans(k * from_mid), tl.trans(b * from_mid)
     q = q16.to(tl.float32)
     tl.store(BONUS + t * H + i_h, K._bonus(q, k, tl.load(prm + 5 * C), 1), mask=m_t)
     q = q * K._exp2(gi - off[None, :])
-    tl.store(QG + p, (q * K._exp2(off)[None, :]).to(QG.dtype.element_ty), mask=m_t)  # r·2^gi
+    tl.store(QG + p, (q * up).to(QG.dtype.element_ty), mask=m_t)  # r·2^gi
     row, col = t, tl.arange(0, BT)[None, :]
     AQK, AQB = AQK + t0 * (H * BT), AQB + t0 * (H * BT)
     p_a = t * (H * BT) + i_h * BT + col  # [BT, BT] of a [T, H, BT] tensor
@@ -232,7 +233,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
         L = tl.dot(L.to(dt), L.to(dt))
         inv += tl.dot(inv.to(dt), L.to(dt))
     inv = inv.to(dt)
-    w = tl.dot(inv, (a * K._exp2(off[None, :])).to(dt))
+    w = tl.dot(inv, (a * up).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
     tl.store(U + p, u.to(U.dtype.element_ty), mask=m_t)
