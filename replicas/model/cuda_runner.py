@@ -430,6 +430,8 @@ class CudaRunner(SlotStates):
         v_first = torch.empty(B, C, device=dev, dtype=act)
         dx = None  # the large path's pending residual update; the small path adds into x directly
         for i, lw in enumerate(self.layers):
+            # without logits, nothing reads the last channel mix's output: its shift is all it leaves
+            ffn = logits or i < len(self.layers) - 1
             mixed = K.ln_shift_mix(x, dx, x, *lw.ln1, st.att_shift[i], lw.mix_att, idx, act)
             if small:
                 proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)
@@ -447,6 +449,8 @@ class CudaRunner(SlotStates):
                     y = K.wkv_decode(rkv, lora, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32)
                 K.gemv(y, lw.wo, x, B, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
                 kin = K.ln_shift_mix(x, None, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, torch.float32)
+                if not ffn:
+                    break
                 kf = torch.empty(B, self.F, device=dev, dtype=torch.float32)
                 K.gemv(kin, lw.wfk, kf, B, act=K.ACT_RELU2, n_sm=self.n_sm)
                 self._value(lw, kf, x, B)
@@ -457,6 +461,8 @@ class CudaRunner(SlotStates):
                                  self.dtype)
                 dx = self._mm_out(y, lw.wo.t(), fp32)
                 kin = K.ln_shift_mix(x, dx, x, *lw.ln2, st.ffn_shift[i], lw.mix_ffn, idx, self.dtype)
+                if not ffn:
+                    break
                 dx = self._ffn(lw, kin, fp32)
         if not logits:
             return None
