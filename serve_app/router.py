@@ -102,18 +102,25 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
 
     async def _share(self) -> None:
         """Every sync_s: what this router routed to the registry's log, the other routers' into the
-        record (a failed trade is retried with the next, its entries lost)."""
+        record. A failed trade, or a registry not reachable yet, is retried with the next, its
+        entries lost; a run of failures is logged once."""
+        loop = asyncio.get_running_loop()
+        log_of, me, seen, failing = None, uuid.uuid4().hex, 0, False
         try:
-            loop = asyncio.get_running_loop()
-            log_of = await loop.run_in_executor(None, registry.connect, self._deployment_id.app_name)
-            me, seen = uuid.uuid4().hex, 0
             while True:
                 out, self._outbox = self._outbox, []
                 try:
+                    if log_of is None:
+                        log_of = await loop.run_in_executor(None, registry.connect, self._deployment_id.app_name)
                     seen, news = await log_of.share_routing.remote(me, out, seen)
-                except Exception as e:  # (the registry restarting)
-                    log.warning("sharing the routing record failed: %s", e)
+                except Exception as e:  # (the registry restarting, or Ray's control store unreachable)
+                    if not failing:
+                        log.warning("sharing the routing record failed (retrying every %.2f s): %s", self._sync_s, e)
+                    failing = True
                 else:
+                    if failing:
+                        log.info("sharing the routing record again")
+                    failing = False
                     # in the log's order: the others' entries came before those just sent, and those
                     # routed meanwhile (the outbox) come after every one
                     for key, replica in (*news, *out, *self._outbox):

@@ -115,3 +115,49 @@ def test_the_registry_passes_each_router_the_others_routings(served):
         assert ray.get(log.share_routing.remote("c", [], 10)) == (3, [(1, "r1"), (2, "r1"), (3, "r2")])
     finally:
         registry.remove("routing-log-test")
+
+
+def test_a_router_shares_once_the_registry_it_could_not_reach_at_first_answers(served, monkeypatch):
+    """The router's sharing task outlives a failed connection to the registry (Ray's control store
+    unreachable when the router starts): it retries with the next trade, and the other routers'
+    entries reach its record once the registry answers. Before, the first failure ended the task
+    and the router never shared again."""
+    import asyncio
+    import types
+
+    from serve_app import registry
+    from serve_app.router import StateAffinityRouter
+
+    app, real, calls = "router-retry-test", registry.connect, []
+
+    def unreachable_at_first(name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise ConnectionError("control store unreachable (this test's)")
+        return real(name)
+
+    monkeypatch.setattr(registry, "connect", unreachable_at_first)
+    log = real(app)
+    try:
+        ray.get(log.share_routing.remote("another router", [(7, "replica-x")], 0))
+        router = object.__new__(StateAffinityRouter)  # (its sharing alone: no Serve controller here)
+        router.initialize_state(sync_s=0.02)
+        router._deployment_id = types.SimpleNamespace(app_name=app)
+
+        async def share_until_recorded() -> None:
+            router._first_trade = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(router._share())
+            try:
+                for _ in range(500):
+                    if router._owner.get(7) == "replica-x":
+                        return
+                    assert not task.done(), task.exception()
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"the other router's entry never arrived ({len(calls)} connections)")
+            finally:
+                task.cancel()
+
+        asyncio.run(share_until_recorded())
+        assert len(calls) == 2 and router._first_trade.done()
+    finally:
+        registry.remove(app)
