@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -687,13 +688,11 @@ def table(results: dict, models: list[str]) -> str:
         for case in cases:
             ours = results["ours"].get(f"{name}|{case}")
             if case.startswith("decode"):
-                limits = [decode_limit(cfg, int(case.split()[1]), ceil, key) for key in ("matmul", "matmul_sustained")
-                          if key in ceil]
+                limit_at = functools.partial(decode_limit, cfg, int(case.split()[1]), ceil)
             else:
-                r, n = (int(v) for v in case.split()[1].split("×"))
-                limits = [prefill_limit(cfg, r, n, ceil, key) for key in ("matmul", "matmul_sustained") if key in ceil]
-            limit = limits[0]
-            held = f" {limits[1]:,.0f} |" if sustained else ""
+                limit_at = functools.partial(prefill_limit, cfg, *(int(v) for v in case.split()[1].split("×")), ceil)
+            limit = limit_at("matmul")
+            held = f" {limit_at('matmul_sustained'):,.0f} |" if sustained else ""
             ref = results["rwkv"].get(f"{name}|{case}")
             if ref is None and case == "prefill 1×4096" and f"{name}|prefill 1×1024" in results["rwkv"]:
                 ref_text = f"{results['rwkv'][f'{name}|prefill 1×1024']:,.0f} (1×1024)"

@@ -417,7 +417,8 @@ class CudaRunner(SlotStates):
 
     def _decode_body(self, tokens: Tensor, idx: Tensor, B: int, small: bool, logits: bool = True) -> Tensor | None:
         """One decode step of B rows: tokens [B], slots idx [B] (device int32) -> logits [B, V]
-        (with logits=False the states advance and nothing more: no final LayerNorm, no head).
+        (with logits=False the states advance and nothing more: no final LayerNorm, no head, no last
+        FFN products).
 
         small: the gemv path, fp32 between kernels (activations enter the products as hi + lo
         fp16 parts, so only the weights are rounded); else cuBLAS, fp16 between kernels.
