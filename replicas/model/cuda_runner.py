@@ -430,9 +430,10 @@ class CudaRunner(SlotStates):
         x = K.embed_ln(tokens, self.emb, *self.ln0)  # [B, C] fp32
         v_first = torch.empty(B, C, device=dev, dtype=act)
         dx = None  # the large path's pending residual update; the small path adds into x directly
+        last = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
             # without logits, nothing reads the last channel mix's output: its shift is all it leaves
-            ffn = logits or i < len(self.layers) - 1
+            ffn = logits or i < last
             mixed = K.ln_shift_mix(x, dx, x, *lw.ln1, st.att_shift[i], lw.mix_att, idx, act)
             if small:
                 proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)

@@ -5,8 +5,10 @@ their records through the registry)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
+import types
 
 import httpx
 import pytest
@@ -122,9 +124,6 @@ def test_a_router_shares_once_the_registry_it_could_not_reach_at_first_answers(s
     unreachable when the router starts): it retries with the next trade, and the other routers'
     entries reach its record once the registry answers. Before, the first failure ended the task
     and the router never shared again."""
-    import asyncio
-    import types
-
     from serve_app import registry
     from serve_app.router import StateAffinityRouter
 
