@@ -641,6 +641,51 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# --------------------------------------------------------------------------------------------
+# The channel mix's key product with relu² in its epilogue, for the large path's long calls: a
+# persistent, warp-specialised Triton matmul (TMA loads, tiles of 128 x 256). On an H200 it runs
+# 7.2B's key product (4,096 x 4,096 · 4,096 x 16,384) at cuBLAS's rate, 703-711 TFLOP/s in a burst
+# and 617-628 sustained under the 700 W limit against cuBLAS's 701 and 618 (docs/gpu-history.md,
+# 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys).
+# --------------------------------------------------------------------------------------------
+
+MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm(relu2=True); fewer, cuBLAS and relu2_
+MM_TILE = (128, 256, 64)  # rows, columns, K a step
+MM_GROUP = 8  # row tiles that share their column tiles in turn (the weights' reuse in L2)
+
+
+@triton.jit
+def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP: tl.constexpr, PROGRAMS: tl.constexpr, RELU2: tl.constexpr):
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True, warp_specialize=True):
+        in_group = GROUP * n_n
+        first_m = tile // in_group * GROUP
+        rows = tl.minimum(n_m - first_m, GROUP)
+        i_m, i_n = first_m + tile % in_group % rows, tile % in_group // rows
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BK), num_stages=3):
+            acc = tl.dot(a_desc.load([i_m * BM, k * BK]), w_desc.load([i_n * BN, k * BK]).T, acc)
+        if RELU2:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        y_desc.store([i_m * BM, i_n * BN], acc.to(y_desc.dtype))
+
+
+def mm(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = False) -> torch.Tensor:
+    """a · wᵀ [M, N] in a's dtype (with relu2, relu(a · wᵀ)²), the sums in fp32: a [M, K], w [N, K],
+    both contiguous and 16-bit (K a multiple of 8)."""
+    (M, K), N = a.shape, w.shape[0]
+    BM, BN, BK = MM_TILE
+    y = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    # a program a multiprocessor whatever the call's tiles (fewer would make a variant a count)
+    _mm_kernel[(n_sm,)](
+        TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
+        TensorDescriptor.from_tensor(y, [BM, BN]), M, N, K, BM=BM, BN=BN, BK=BK, GROUP=MM_GROUP,
+        PROGRAMS=n_sm, RELU2=relu2, num_warps=8)
+    return y
+
+
 @triton.jit
 def _activate_in_place(x, n, offs, act):
     mask = offs < n
