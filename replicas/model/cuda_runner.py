@@ -494,8 +494,8 @@ class CudaRunner(SlotStates):
         return rkv, _kernel_order(outs)
 
     def _ffn(self, lw: _Layer, kin: Tensor, fp32: bool) -> Tensor:
-        if kin.shape[0] >= K.MM_RELU2_ROWS:  # relu² in the key product's epilogue (kernels.mm)
-            k = K.mm(kin, lw.wfk, self.n_sm, relu2=True)
+        if kin.shape[0] >= K.MM_RELU2_ROWS:  # relu² in the key product's epilogue
+            k = K.mm_relu2(kin, lw.wfk, self.n_sm)
         else:
             k = K.relu2_(torch.mm(kin, lw.wfk.t()))
         return self._mm_out(k, lw.wfv.t(), fp32)

@@ -649,14 +649,14 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 # 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys).
 # --------------------------------------------------------------------------------------------
 
-MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm(relu2=True); fewer, cuBLAS and relu2_
+MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer, cuBLAS and relu2_
 MM_TILE = (128, 256, 64)  # rows, columns, K a step
 MM_GROUP = 8  # row tiles that share their column tiles in turn (the weights' reuse in L2)
 
 
 @triton.jit
-def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               GROUP: tl.constexpr, PROGRAMS: tl.constexpr, RELU2: tl.constexpr):
+def _mm_relu2_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True, warp_specialize=True):
         in_group = GROUP * n_n
@@ -666,23 +666,21 @@ def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constex
         acc = tl.zeros((BM, BN), tl.float32)
         for k in tl.range(0, tl.cdiv(K, BK), num_stages=3):
             acc = tl.dot(a_desc.load([i_m * BM, k * BK]), w_desc.load([i_n * BN, k * BK]).T, acc)
-        if RELU2:
-            acc = tl.maximum(acc, 0.0)
-            acc = acc * acc
-        y_desc.store([i_m * BM, i_n * BN], acc.to(y_desc.dtype))
+        acc = tl.maximum(acc, 0.0)
+        y_desc.store([i_m * BM, i_n * BN], (acc * acc).to(y_desc.dtype))
 
 
-def mm(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = False) -> torch.Tensor:
-    """a · wᵀ [M, N] in a's dtype (with relu2, relu(a · wᵀ)²), the sums in fp32: a [M, K], w [N, K],
-    both contiguous and 16-bit (K a multiple of 8)."""
+def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int) -> torch.Tensor:
+    """relu(a · wᵀ)² [M, N] in a's dtype, the sums in fp32: a [M, K], w [N, K], both contiguous and
+    16-bit (K a multiple of 8)."""
     (M, K), N = a.shape, w.shape[0]
     BM, BN, BK = MM_TILE
     y = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # a program a multiprocessor whatever the call's tiles (fewer would make a variant a count)
-    _mm_kernel[(n_sm,)](
+    _mm_relu2_kernel[(n_sm,)](
         TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
         TensorDescriptor.from_tensor(y, [BM, BN]), M, N, K, BM=BM, BN=BN, BK=BK, GROUP=MM_GROUP,
-        PROGRAMS=n_sm, RELU2=relu2, num_warps=8)
+        PROGRAMS=n_sm, num_warps=8)
     return y
 
 

@@ -113,19 +113,18 @@ def test_long_prefill_takes_the_gate_lora_apart(monkeypatch):
 
 def test_long_prefill_takes_relu2_in_the_key_product(pair, monkeypatch):
     """Calls of MM_RELU2_ROWS tokens or more run the channel mix's key product with relu² in its
-    epilogue (kernels.mm); here every large-path call does: logits and states as the reference."""
+    epilogue (kernels.mm_relu2); here every large-path call does: logits and states as the reference."""
     from replicas.model import kernels  # noqa: PLC0415
 
     runner, ref = pair
     monkeypatch.setattr(kernels, "MM_RELU2_ROWS", 0)
     monkeypatch.setattr(runner, "prefill_graphs", 0)  # (a graph captured before would replay cuBLAS's)
-    runner.prefill_wkv = "chunked"
+    monkeypatch.setattr(runner, "prefill_wkv", "chunked")
     slots = [1, 4]
     start_from_random_states(runner, ref, slots, seed=40)
     chunks = [tokens(150, ref.vocab_size, 41), tokens(30, ref.vocab_size, 42)]
     assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
     assert_states_close(runner, ref, slots)
-    runner.prefill_wkv = "recurrent"
 
 
 def test_fresh_rows_start_on_the_fp32_path(pair):

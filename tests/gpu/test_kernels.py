@@ -3,7 +3,7 @@
 - gemv: FMA programs (W through a TMA descriptor, one tile or a pipelined loop over K), tensor-core
   tiles; store and atomic-add epilogues; grouped (per-block input columns, K and activation).
 - gemv_live_rows (W stored [K, N], one or two rows): the rows of W whose input is 0 are not read.
-- mm with relu2: the large path's key product with relu² in its epilogue, tiles cut by the matrix's ends.
+- mm_relu2: the large path's key product with relu² in its epilogue, tiles cut by the matrix's ends.
 - ln_shift_mix: a program a token (columns spread over programs) and the rows kernel (a program a
   run of tokens), in decode (x and the shift updated in place) and in ragged prefill.
 
@@ -108,13 +108,13 @@ def test_live_rows_never_read_a_row_whose_input_is_zero_in_every_row(config):
 
 
 @pytest.mark.parametrize("shape", [(4160, 768, 3072), (200, 128, 320)] if CUDA else [(130, 64, 320)])
-def test_mm_with_relu2_is_the_key_product_then_relu_squared(shape):
+def test_mm_relu2_is_the_key_product_then_relu_squared(shape):
     """(M, K, N): 0.1B's key product over 65 blocks of 64 tokens; tiles cut by both ends of M and N."""
     M, K_, N = shape
     torch.manual_seed(M)
     a = torch.randn(M, K_, device=DEVICE).half()
     w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
-    y = K.mm(a, w, n_sm=132 if CUDA else 2, relu2=True)
+    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2)
     assert y.shape == (M, N) and y.dtype == torch.float16
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
 
