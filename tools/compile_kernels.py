@@ -120,6 +120,8 @@ def exercise_runner() -> list:
             for n_sm in (1, 12, 10**6):  # the pass: 64, 32, 16 values a program
                 runner.n_sm = n_sm
                 runner.prefill([0, 1], [[1] * 150, [2] * 70])
+            runner.n_sm = 132
+            runner.prefill([0], [[1] * 1100])  # the key product with relu² (kernels.mm_relu2)
     return launches
 
 
