@@ -17,11 +17,12 @@ takes in what the others did, so a conversation's turns find their replica which
 replica each reaches.
 
 A request goes to the replica of its longest recorded prefix while that replica has a free slot
-(fewer than `slots` requests) or no replica has fewer requests: a cached state saves a prefill,
-and waiting for a slot behind a full batch costs more than that. Otherwise, and when no prefix is
-recorded, it goes to the default's two replicas at random. The record can be wrong (a replica
-evicted the state, restarted, or a routing elsewhere has not been shared yet): then the request
-is prefilled there as it would be anywhere.
+(fewer than `slots` requests, as last heard; a replica not heard of lately is asked) or no replica
+has fewer requests: a cached state saves a prefill, and waiting for a slot behind a full batch
+costs more than that. Otherwise it goes to two of the other replicas at random (the holder only if
+neither takes it), and when no prefix is recorded, to the default's two replicas at random. The
+record can be wrong (a replica evicted the state, restarted, or a routing elsewhere has not been
+shared yet): then the request is prefilled there as it would be anywhere.
 """
 
 from __future__ import annotations
@@ -78,9 +79,18 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             return []
         either = two_at_random(candidate_replicas)
         best = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
-        if best is None or not self._may_wait_on(best, candidate_replicas):
+        if best is not None and self._replica_queue_len_cache.get(best.replica_id) is None:
+            # not heard of lately (Ray Serve forgets a queue length after 10 s): asked, not taken as 0,
+            # which would send the request to wait behind a full batch
+            await self._probe_queue_lens([best], 0)
+        if best is None:
             return [either]
-        return [[best], either]  # (the second rank if the holder turns out full)
+        if self._may_wait_on(best, candidate_replicas):
+            return [[best], either]  # (the second rank if the holder turns out full)
+        # the others first: with the holder among two at random, a probe of the other that timed
+        # out (a busy host) left the holder, under Ray's limit but with every slot taken, the choice
+        others = [replica for replica in candidate_replicas if replica is not best]
+        return [two_at_random(others), [best]] if others else [[best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         replica = replica_id.unique_id
@@ -142,12 +152,15 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
         return None
 
     def _may_wait_on(self, holder: RunningReplica, candidates: Sequence[RunningReplica]) -> bool:
-        """The holder has a free slot, or no replica is less busy."""
-        queue = self._queue(holder)
+        """The holder has a free slot, or no replica is less busy (a holder whose queue is not
+        known, its probe unanswered, is not waited on)."""
+        queue = self._replica_queue_len_cache.get(holder.replica_id)
+        if queue is None:
+            return False
         return queue < self._slots or queue <= min(map(self._queue, candidates))
 
     def _queue(self, replica: RunningReplica) -> int:
-        """Requests the replica holds as last heard (0 if not heard of yet)."""
+        """Requests the replica holds as last heard (0 if not heard of lately, or a probe failed)."""
         return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
 
