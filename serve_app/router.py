@@ -77,16 +77,15 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             await asyncio.wait([self._first_trade], timeout=FIRST_TRADE_WAIT_S)
         if not candidate_replicas:
             return []
-        either = two_at_random(candidate_replicas)
         best = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
-        if best is not None and self._replica_queue_len_cache.get(best.replica_id) is None:
+        if best is None:
+            return [two_at_random(candidate_replicas)]
+        if self._replica_queue_len_cache.get(best.replica_id) is None:
             # not heard of lately (Ray Serve forgets a queue length after 10 s): asked, not taken as 0,
             # which would send the request to wait behind a full batch
             await self._probe_queue_lens([best], 0)
-        if best is None:
-            return [either]
         if self._may_wait_on(best, candidate_replicas):
-            return [[best], either]  # (the second rank if the holder turns out full)
+            return [[best], two_at_random(candidate_replicas)]  # (the second rank if the holder turns out full)
         # the others first: with the holder among two at random, a probe of the other that timed
         # out (a busy host) left the holder, under Ray's limit but with every slot taken, the choice
         others = [replica for replica in candidate_replicas if replica is not best]

@@ -14,11 +14,12 @@ import types
 import httpx
 import pytest
 import ray
+from ray.serve._private.constants import RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S
 
 from .conftest import REPLICAS, SLOTS, wait_for
 
 TWO = "two-ingresses"  # the second application's name and route
-QUEUE_LENGTH_FORGOTTEN_S = 10.5  # Ray Serve's default RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S, 10 s, and a margin
+QUEUE_LENGTH_FORGOTTEN_S = RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S + 0.5  # (Ray Serve's default: 10 s)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,8 @@ def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
         w.start()
     try:
         wait_for(lambda: len(started) == SLOTS, what="the long requests streaming")
-        # past the age at which Ray Serve's routers forget a replica's queue length (its
-        # RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S): the holder must not look free for being unheard of
+        # past the age at which Ray Serve's routers forget a replica's queue length: the holder must
+        # not look free for being unheard of
         time.sleep(QUEUE_LENGTH_FORGOTTEN_S)
         body = client.post("/v1/completions", json={"prompt": prompt + [7] * 40, "max_tokens": 1}).json()
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
