@@ -111,7 +111,7 @@ def exercise_runner() -> list:
             runner = CudaRunner(model, max_slots=8, dtype=dtype, prefill_wkv="recurrent", auto_path=False,
                                 live_rows=True)
             runner.pdl = True  # what an H200 runs
-            for rows, small in ((1, 16), (2, 16), (3, 16), (8, 0)):  # FMA gemv (1, 2), tensor cores, cuBLAS
+            for rows, small in ((1, 16), (2, 16), (3, 16), (5, 16), (8, 0)):  # FMA gemv (1-4), tensor cores, cuBLAS
                 runner.small_batch = small
                 runner.decode(list(range(rows)), [1] * rows)
             runner.prefill([0, 1], [[1] * 40, [2] * 7])  # the gemv path (≤ 128 tokens)

@@ -12,9 +12,10 @@ pad a bucket run on the scratch slot. Per layer:
       another (at one or two rows the core's, below: 7 kernels); the time-mix core (decay, kk, a,
       state update in place at the slots, GroupNorm, bonus, gate); output projection added into
       the fp32 residual (split-K atomics); LayerNorm + shift for the channel mix; key with relu²
-      fused; value added into the residual. All products read the weights once: one or two rows
-      on the FMA units, more on the tensor cores. At one or two rows the value product reads only
-      the rows of W_vᵀ whose hidden unit is live (relu² not 0: half of them in a random model).
+      fused; value added into the residual. All products read the weights once: up to four rows
+      (kernels.FMA_ROWS) on the FMA units, more on the tensor cores. At one or two rows the value
+      product reads only the rows of W_vᵀ whose hidden unit is live (relu² not 0: half of them in
+      a random model).
     larger batches: r, k, v as one batched cuBLAS product, the LoRA stages as the two grouped
       products, the other products cuBLAS; the same fused kernels.
 Prefill (`prefill`): rows of any lengths, flat on one token axis; products over all tokens (in the
@@ -638,9 +639,9 @@ class CudaRunner(SlotStates):
         return K.gemv(a, w, out, a.shape[0], epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
 
     def _value(self, lw: _Layer, kf: Tensor, out: Tensor, rows: int) -> Tensor:
-        """out[:rows] += kf[:rows] · W_vᵀ on the gemv path: up to FMA_ROWS rows reading only the
+        """out[:rows] += kf[:rows] · W_vᵀ on the gemv path: one or two rows (LIVE_ROWS) reading only the
         rows of W_vᵀ whose hidden unit is live (kernels.gemv_live_rows), more the gemv on W_v."""
-        if self.live_rows and rows <= K.FMA_ROWS:
+        if self.live_rows and rows in K.LIVE_ROWS:
             return K.gemv_live_rows(kf, lw.wfv_t, out, rows, n_sm=self.n_sm)
         return K.gemv(kf, lw.wfv, out, rows, epi=K.EPI_ATOMIC_ADD, n_sm=self.n_sm)
 

@@ -446,7 +446,7 @@ class GemvConfig:
     per_sm: int = 2
 
 
-# Chosen on an H200 (docs/gpu.md), for one or two rows of every matrix, the head included: narrow FMA
+# Chosen on an H200 (docs/gpu.md), for one row (and two) of every matrix, the head included: narrow FMA
 # programs, 8 weight rows × 256 columns, W's tiles in flight through TMA.
 # - Matrices up to 64 MB: one warp a program, two tiles in flight, the atomic epilogue's K split
 #   aiming at 8 programs a multiprocessor. Against four warps and three tiles, in the decode graph
@@ -457,7 +457,11 @@ class GemvConfig:
 # TMA-fed FMA programs for every matrix once took 7.2B at one row from 200 to 239 tokens/s and 1.5B
 # from 790 to 817, where the plain-load FMA kernel (registers bound its bytes in flight) had lost to
 # the tensor cores on matrices over 64 MB. More rows: 64-wide tensor-core tiles, four stages deep.
-FMA_ROWS = 2  # up to this many rows the FMA kernel runs (exact fp32 activations)
+# Up to this many rows the FMA kernel runs (exact fp32 activations). Four rows against the
+# tensor-core tiles (12-03c, decode at 4 rows, one call): 1.5B 2,081 -> 2,630 tokens/s, 0.1B 9,289 ->
+# 10,703, 7.2B 740 -> 764; eight rows on it were slower (0.1B 17,809 -> 14,451; at 1.5B and 7.2B
+# cuBLAS was picked over it) and sixteen spill (docs/gpu-history.md, "Changed on 12-03c").
+FMA_ROWS = 4
 GEMV_FMA = GemvConfig(fma=True, block_n=8, block_k=256, warps=1, stages=3, per_sm=8)
 GEMV_FMA_LARGE = GemvConfig(fma=True, block_n=8, block_k=256, warps=4, stages=4, per_sm=4)
 FMA_LARGE_BYTES = 64 << 20  # matrices above this take GEMV_FMA_LARGE
@@ -532,7 +536,8 @@ def gemv(
     rest = (y, y.stride(0), m, N, K, blocks if table is not None else y, n_blocks, act, split)
     if cfg.fma:
         block_m = _pow2(m)
-        block_k = max(64, min(block_k, 256, 8192 // (block_m * block_n)))  # 256: a TMA box's longest side
+        # at most 128 partial sums a thread (256: a TMA box's longest side)
+        block_k = max(64, min(block_k, 256, 4096 * cfg.warps // (block_m * block_n)))
         w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])  # needs w 16-byte aligned
         _gemv_fma_kernel[(n_blocks, split)](  # W's row stride travels in its descriptor
             a, a.stride(0), w_desc, *rest, GROUPED=table is not None, EPI=epi, BLOCK_M=block_m,
@@ -604,12 +609,12 @@ def _gemv_live_rows_kernel(A, lda, W, ldw, Y, ldy, M, N, K_PER, BLOCK_M: tl.cons
 
 def gemv_live_rows(a: torch.Tensor, wt: torch.Tensor, y: torch.Tensor, m: int, *, n_sm: int = 132,
                    config: LiveRowsConfig | None = None) -> torch.Tensor:
-    """y[:m] += a[:m] · wt for m ≤ FMA_ROWS: a [≥m, K] (fp32 on the FMA units), wt [K, N] row-major,
-    y [≥m, N] fp32 (any row strides); rows of wt whose input is 0 in every row of a are not read.
-    K and N must be multiples of 64."""
+    """y[:m] += a[:m] · wt for the row counts of LIVE_ROWS (1 or 2): a [≥m, K] (fp32 on the FMA units),
+    wt [K, N] row-major, y [≥m, N] fp32 (any row strides); rows of wt whose input is 0 in every row
+    of a are not read. K and N must be multiples of 64."""
     K, N = wt.shape
-    if not 1 <= m <= FMA_ROWS:
-        raise ValueError(f"gemv_live_rows takes 1 to {FMA_ROWS} rows, got {m}")
+    if config is None and m not in LIVE_ROWS:
+        raise ValueError(f"gemv_live_rows takes {sorted(LIVE_ROWS)} rows, got {m}")
     if K % 64 or N % 64 or wt.numel() >= 2**31:  # (offsets into W are int32)
         raise ValueError(f"gemv_live_rows needs K and N multiples of 64 and under 2**31 entries, got {K} x {N}")
     cfg = config or LIVE_ROWS[m]
