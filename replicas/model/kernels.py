@@ -446,7 +446,7 @@ class GemvConfig:
     per_sm: int = 2
 
 
-# Chosen on an H200 (docs/gpu.md), for one row (and two) of every matrix, the head included: narrow FMA
+# Chosen on an H200 (docs/gpu.md) at one and two rows of every matrix, the head included: narrow FMA
 # programs, 8 weight rows × 256 columns, W's tiles in flight through TMA.
 # - Matrices up to 64 MB: one warp a program, two tiles in flight, the atomic epilogue's K split
 #   aiming at 8 programs a multiprocessor. Against four warps and three tiles, in the decode graph
@@ -613,7 +613,7 @@ def gemv_live_rows(a: torch.Tensor, wt: torch.Tensor, y: torch.Tensor, m: int, *
     wt [K, N] row-major, y [≥m, N] fp32 (any row strides); rows of wt whose input is 0 in every row
     of a are not read. K and N must be multiples of 64."""
     K, N = wt.shape
-    if config is None and m not in LIVE_ROWS:
+    if m not in LIVE_ROWS:
         raise ValueError(f"gemv_live_rows takes {sorted(LIVE_ROWS)} rows, got {m}")
     if K % 64 or N % 64 or wt.numel() >= 2**31:  # (offsets into W are int32)
         raise ValueError(f"gemv_live_rows needs K and N multiples of 64 and under 2**31 entries, got {K} x {N}")
