@@ -456,7 +456,8 @@ class GemvConfig:
 #   every matrix read 242 -> 237).
 # TMA-fed FMA programs for every matrix once took 7.2B at one row from 200 to 239 tokens/s and 1.5B
 # from 790 to 817, where the plain-load FMA kernel (registers bound its bytes in flight) had lost to
-# the tensor cores on matrices over 64 MB. More rows: 64-wide tensor-core tiles, four stages deep.
+# the tensor cores on matrices over 64 MB. More rows: tensor-core tiles 64 wide (or 32: dot_block_n),
+# four stages deep.
 # Up to this many rows the FMA kernel runs (exact fp32 activations). Four rows against the
 # tensor-core tiles (12-03c, decode at 4 rows, one call): 1.5B 2,081 -> 2,630 tokens/s, 0.1B 9,289 ->
 # 10,703, 7.2B 740 -> 764; eight rows on it were slower (0.1B 17,809 -> 14,451; at 1.5B and 7.2B
@@ -473,6 +474,24 @@ def gemv_config(m: int, w_bytes: int) -> GemvConfig:
     if m > FMA_ROWS:
         return GEMV_DOT
     return GEMV_FMA_LARGE if w_bytes > FMA_LARGE_BYTES else GEMV_FMA
+
+
+def dot_block_n(cfg: GemvConfig, n: int, m: int, epi: int, n_sm: int) -> int:
+    """The tensor-core tile's width for n output columns of m rows: cfg's, or half of it
+    - for the atomic epilogue at up to 16 rows: the K split then fills the multiprocessors with
+      half as many parts, so each program runs a K loop twice as long and half as many partial
+      sums are added into Y;
+    - for a plain store whose tiles would leave more than half the multiprocessors without a program.
+    Measured on an H200 (docs/gpu-history.md, "Changed on 12-03d"): at 16 rows the output and value
+    products 1.5B 16.1 -> 9.8 and 22.0 -> 18.8 us, 7.2B 24.2 -> 17.3 and 60.5 -> 46.6; 0.1B's
+    stores 7.1 -> 6.2 (r, k, v) and 5.6 -> 5.1 (the FFN key). Wider stores lost to half-width tiles
+    (1.5B's r, k, v 17.6 -> 19.8 us; 7.2B's 41.9 -> 65.7)."""
+    block_n = min(cfg.block_n, max(16, _pow2(n) // 8))
+    if epi == EPI_ATOMIC_ADD:
+        narrow = m <= 16
+    else:
+        narrow = triton.cdiv(n, block_n) * triton.cdiv(m, min(64, max(16, _pow2(m)))) < n_sm // 2
+    return max(16, block_n // 2) if narrow else block_n
 
 
 class GemvTable:
@@ -519,13 +538,14 @@ def gemv(
     N, K = w.shape
     cfg = config or gemv_config(m, w.numel() * w.element_size())
     if table is not None:
-        block_n, k_max, ks, N = cfg.block_n, table.max_k, table.ks, table.width
+        N = table.width
+    elif K % 64:
+        raise ValueError(f"gemv needs K a multiple of 64, got {K}")
+    block_n = cfg.block_n if cfg.fma else dot_block_n(cfg, N, m, epi, n_sm)
+    if table is not None:
         blocks = table.blocks(block_n)
-        n_blocks = blocks.shape[0] // 4
+        n_blocks, k_max, ks = blocks.shape[0] // 4, table.max_k, table.ks
     else:
-        if K % 64:
-            raise ValueError(f"gemv needs K a multiple of 64, got {K}")
-        block_n = cfg.block_n if cfg.fma else min(cfg.block_n, max(16, _pow2(N) // 8))
         n_blocks, k_max, ks = triton.cdiv(N, block_n), K, {K}
     block_k = cfg.block_k
     while any(k % block_k for k in ks):
