@@ -490,8 +490,14 @@ def dot_block_n(cfg: GemvConfig, n: int, m: int, epi: int, n_sm: int) -> int:
     if epi == EPI_ATOMIC_ADD:
         narrow = m <= 16
     else:
-        narrow = triton.cdiv(n, block_n) * triton.cdiv(m, min(64, max(16, _pow2(m)))) < n_sm // 2
+        narrow = triton.cdiv(n, block_n) * triton.cdiv(m, _dot_block_m(m)) < n_sm // 2
     return max(16, block_n // 2) if narrow else block_n
+
+
+def _dot_block_m(m: int) -> int:
+    """The tensor-core gemv's rows a program: more rows take blocks of 64, each streaming W again
+    (from L2)."""
+    return min(64, max(16, _pow2(m)))
 
 
 class GemvTable:
@@ -564,7 +570,7 @@ def gemv(
             BLOCK_N=block_n, BLOCK_K=block_k, STAGES=cfg.stages, num_warps=cfg.warps, **_pdl(),
         )
         return y
-    block_m = min(64, max(16, _pow2(m)))  # more rows: blocks of 64, each streaming W again (from L2)
+    block_m = _dot_block_m(m)
     _gemv_kernel[(n_blocks, split, triton.cdiv(m, block_m))](
         a, a.stride(0), w, w.stride(0), *rest, GROUPED=table is not None,
         SPLIT_A=a.dtype == torch.float32 and w.dtype != torch.float32, EPI=epi,
