@@ -486,12 +486,17 @@ def dot_block_n(cfg: GemvConfig, n: int, m: int, epi: int, n_sm: int) -> int:
     products 1.5B 16.1 -> 9.8 and 22.0 -> 18.8 us, 7.2B 24.2 -> 17.3 and 60.5 -> 46.6; 0.1B's
     stores 7.1 -> 6.2 (r, k, v) and 5.6 -> 5.1 (the FFN key). Wider stores lost to half-width tiles
     (1.5B's r, k, v 17.6 -> 19.8 us; 7.2B's 41.9 -> 65.7)."""
-    block_n = min(cfg.block_n, max(16, _pow2(n) // 8))
+    block_n = _dot_width(cfg.block_n, n)
     if epi == EPI_ATOMIC_ADD:
         narrow = m <= 16
     else:
         narrow = triton.cdiv(n, block_n) * triton.cdiv(m, _dot_block_m(m)) < n_sm // 2
     return max(16, block_n // 2) if narrow else block_n
+
+
+def _dot_width(block_n: int, n: int) -> int:
+    """A tensor-core tile's width for n output columns: block_n, narrowed to an eighth of n."""
+    return min(block_n, max(16, _pow2(n) // 8))
 
 
 def _dot_block_m(m: int) -> int:
@@ -539,7 +544,8 @@ def gemv(
 
     Up to FMA_ROWS rows run on the FMA units with fp32 activations; more on the tensor cores, where
     an fp32 `a` is split into hi + lo parts in w's dtype (SPLIT_A), a 16-bit `a` is used as it is.
-    block_k is shrunk to divide every K.
+    block_k is shrunk to divide every K. A config passed in runs its tile as given (narrowed only to
+    an eighth of N; a sweep's labels stay true); the default one's width is dot_block_n's.
     """
     N, K = w.shape
     cfg = config or gemv_config(m, w.numel() * w.element_size())
@@ -547,7 +553,10 @@ def gemv(
         N = table.width
     elif K % 64:
         raise ValueError(f"gemv needs K a multiple of 64, got {K}")
-    block_n = cfg.block_n if cfg.fma else dot_block_n(cfg, N, m, epi, n_sm)
+    if cfg.fma:
+        block_n = cfg.block_n
+    else:
+        block_n = dot_block_n(cfg, N, m, epi, n_sm) if config is None else _dot_width(cfg.block_n, N)
     if table is not None:
         blocks = table.blocks(block_n)
         n_blocks, k_max, ks = blocks.shape[0] // 4, table.max_k, table.ks

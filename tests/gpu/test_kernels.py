@@ -56,9 +56,10 @@ def test_plain_store_and_atomic_add(config, m, shape):
 
 @pytest.mark.parametrize(("m", "n_sm"), [(8, 8), (24, 132)])
 def test_decode_tiles_of_either_width(m, n_sm):
-    """GEMV_DOT as decode launches it: dot_block_n halves its 64-wide tiles for the atomic epilogue
-    at up to 16 rows and for stores that would leave multiprocessors without a program; each case
-    here takes one width for the store and the other for the atomic add."""
+    """The default tensor-core configuration (GEMV_DOT) as decode launches it: dot_block_n halves its
+    64-wide tiles for the atomic epilogue at up to 16 rows and for stores that would leave
+    multiprocessors without a program; each case here takes one width for the store and the other
+    for the atomic add."""
     torch.manual_seed(2)
     N, Kd = 1024, 256
     widths = [K.dot_block_n(K.GEMV_DOT, N, m, epi, n_sm) for epi in (K.EPI_STORE, K.EPI_ATOMIC_ADD)]
@@ -66,11 +67,11 @@ def test_decode_tiles_of_either_width(m, n_sm):
     w = torch.randn(N, Kd, device=DEVICE).half()
     a = torch.randn(m, Kd, device=DEVICE)
     y = torch.full((m, N), float("nan"), device=DEVICE)
-    K.gemv(a, w, y, m, act=K.ACT_RELU2, n_sm=n_sm, config=K.GEMV_DOT)
+    K.gemv(a, w, y, m, act=K.ACT_RELU2, n_sm=n_sm)
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
     base = torch.randn(m, N, device=DEVICE)
     y = base.clone()
-    K.gemv(a, w, y, m, epi=K.EPI_ATOMIC_ADD, n_sm=n_sm, config=K.GEMV_DOT)
+    K.gemv(a, w, y, m, epi=K.EPI_ATOMIC_ADD, n_sm=n_sm)
     assert close(y, base.double() + reference(a, w, K.ACT_NONE), 1e-3)
 
 
