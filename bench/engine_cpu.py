@@ -89,25 +89,32 @@ async def generated_rate(engine: Engine, prompts: list[list[int]], params: Sampl
 
 
 async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, params: SamplingParams,
-                      seconds: float, warm_seconds: float = 1.0, seed: int = 0) -> tuple[float, float]:
+                      seconds: float, warm_seconds: float = 1.0, seed: int = 0) -> dict[str, float]:
     """Serving in a steady state: `concurrency` requests always in flight, each one that ends
     replaced at once by a new random prompt of prompt_tokens/2 to 3·prompt_tokens/2 tokens, with
     max_tokens drawn from 32-224 (mean 128) so that requests end at different steps and prompts
-    differ in length, as a server's do. Returns (generated, prompt) tokens/s over
-    `seconds` after `warm_seconds`: the batcher's cost with prefill and decode mixed, without the
+    differ in length, as a server's do. Returns the generated and prompt tokens/s over `seconds`
+    after `warm_seconds`, and the time to first token (median and 90th percentile, ms) of the
+    requests sent in that window: the batcher's cost with prefill and decode mixed, without the
     ramp and the common end of a burst of requests started together (generated_rate)."""
     rng = random.Random(seed)
     start = time.perf_counter()
     begin, end = start + warm_seconds, start + warm_seconds + seconds
     counted = {"generated": 0, "prompt": 0}
+    first_token: list[float] = []
 
     async def worker() -> None:
         while time.perf_counter() < end:
             length = rng.randint(prompt_tokens // 2, prompt_tokens * 3 // 2)
             prompt = [rng.randrange(1, engine.runner.vocab_size) for _ in range(length)]
             request = Request(prompt, dataclasses.replace(params, max_tokens=rng.randrange(32, 225)))
+            sent, waiting = time.perf_counter(), True
             async for event in engine.generate(request):
                 now = time.perf_counter()
+                if isinstance(event, Delta) and waiting:
+                    waiting = False
+                    if begin <= sent and now < end:
+                        first_token.append(now - sent)
                 if isinstance(event, Delta) and begin <= now < end:
                     counted["generated"] += len(event.token_ids)
                 elif isinstance(event, Started) and begin <= now < end:
@@ -116,7 +123,13 @@ async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, para
                     break
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return counted["generated"] / seconds, counted["prompt"] / seconds
+    first_token.sort()
+
+    def ms_at(q: float) -> float:
+        return 1e3 * first_token[min(len(first_token) - 1, int(q * len(first_token)))] if first_token else 0.0
+
+    return {"generated": counted["generated"] / seconds, "prompt": counted["prompt"] / seconds,
+            "ttft_p50_ms": ms_at(0.5), "ttft_p90_ms": ms_at(0.9)}
 
 
 def long_prompt(tokenizer, n: int) -> list[int]:

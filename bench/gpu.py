@@ -566,22 +566,32 @@ def bench_engine(runner, results: dict) -> None:
             stats[label] = engine.snapshot_stats()["counters"]
             engine.stop()
             del engine
-        # serving's steady state: as many requests always in flight, each replaced as it ends
-        engine = fresh_engine(config)
-        params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
-        steady, prompt_rate = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=1.5))
-        stats["steady"] = engine.snapshot_stats()["counters"]
-        engine.stop()
-        del engine
+        # serving's steady state: as many requests always in flight, each replaced as it ends; with
+        # the engine's default prefill_every (new prompts wait up to 4 steps to share a prefill
+        # call), and with a prefill call every step
+        steady = {}
+        for every in (None, 1):
+            engine = fresh_engine(config.model_copy(update={"prefill_every": every}))
+            params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
+            steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=1.5))
+            stats[f"steady, prefill_every {every}"] = engine.snapshot_stats()["counters"]
+            engine.stop()
+            del engine
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
-                                               "steady": steady, "steady_prompt": prompt_rate,
+                                               "steady": steady[None], "steady_every_step": steady[1],
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
             f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
             f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; steady, {concurrency} "
-            f"always in flight: {steady:,.0f} generated + {prompt_rate:,.0f} prompt tokens/s; runner alone {raw:,.0f}")
+            f"always in flight: {_steady(steady[None])} (a prefill call every step: {_steady(steady[1])}); "
+            f"runner alone {raw:,.0f}")
+
+
+def _steady(s: dict) -> str:
+    """A steady state's figures for the table: generated + prompt tokens/s, time to first token."""
+    return f"{s['generated']:,.0f} + {s['prompt']:,.0f}, first token {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} ms"
 
 
 # -- the rwkv package (child process) -----------------------------------------------------------
@@ -722,16 +732,19 @@ def table(results: dict, models: list[str]) -> str:
     if results["engine"]:
         lines += ["", "Engine (continuous batcher, sampling on the GPU). A burst: the requests sent at once, "
                   "64-token prompts, 128 new tokens each. Steady: as many always in flight, each replaced as it "
-                  "ends, prompts of 32-96 tokens, 32-224 new tokens (generated tokens/s + prompt tokens/s):",
+                  "ends, prompts of 32-96 tokens, 32-224 new tokens (generated tokens/s + prompt tokens/s, the "
+                  "time to first token's median / 90th percentile); new prompts wait up to the engine's default "
+                  "`prefill_every` steps to share a prefill call, or have one every step:",
                   "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
-                  "steady, top-p 0.9 | runner decode tokens/s | burst top-p / greedy / steady, of the runner |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "steady, top-p 0.9 | steady, a prefill call every step | runner decode tokens/s | "
+                  "burst top-p / greedy / steady, of the runner |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
-                         f"{e['engine_torch_sampler']:,.0f} | {e['steady']:,.0f} + {e['steady_prompt']:,.0f} | "
-                         f"{raw:,.0f} | {e['engine'] / raw:.0%} / {e['engine_greedy'] / raw:.0%} / "
-                         f"{e['steady'] / raw:.0%} |")
+                         f"{e['engine_torch_sampler']:,.0f} | {_steady(e['steady'])} | "
+                         f"{_steady(e['steady_every_step'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
+                         f"{e['engine_greedy'] / raw:.0%} / {e['steady']['generated'] / raw:.0%} |")
     if results["sampler"]:
         lines += ["", "Sampler alone (GPU, ms a step, the tokens read back):", "",
                   "| batch, sampling | one-launch kernel | torch lines | torch / kernel |", "|---|---:|---:|---:|"]

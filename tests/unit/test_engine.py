@@ -100,8 +100,9 @@ def alone(parts):
     return out
 
 
-def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, alone):
-    engine = make_engine(parts)
+@pytest.mark.parametrize("prefill_every", [1, 3])
+def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, alone, prefill_every):
+    engine = make_engine(parts, prefill_every=prefill_every)
     try:
         async def scenario():
             jobs = []
@@ -119,6 +120,37 @@ def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, 
         settle(engine)
     finally:
         engine.stop()
+
+
+def test_while_rows_decode_prompts_wait_to_share_a_prefill_call(parts):
+    """The engine is stepped by hand here (its thread not started), so each step is known."""
+    from replicas.model.runner import ModelRunner
+
+    model, tok = parts
+    engine = Engine(ModelRunner(model, 4), tok, EngineConfig(max_slots=4, prefill_every=3, max_prefill_tokens=48,
+                                                            token_chunk_size=48))
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+
+    prompts = [tok.encode(p)[:20] for p in PROMPTS[:3]]
+    big = tok.encode("".join(PROMPTS))[:48]
+
+    async def scenario():
+        def step(*prompts):
+            for prompt in prompts:
+                engine.submit(Request(prompt, long))
+            engine._take_commands(block=False)
+            engine._step()
+            return engine.stats["prefill_calls"], engine.stats["prefilled_tokens"]
+
+        assert step(prompts[0]) == (1, len(prompts[0]))  # nothing decodes: its prefill runs at once
+        assert step(prompts[1])[0] == 1  # the first row decodes: the new prompt waits
+        assert step(prompts[2])[0] == 1
+        assert step() == (2, sum(map(len, prompts)))  # the oldest waited prefill_every - 1 steps: one call for both
+        assert len(big) == 48 and step(big) == (3, sum(map(len, prompts)) + 48)  # a budget's worth: at once
+        engine._check_integrity()
+
+    run(scenario())
+    engine.stop()
 
 
 def test_greedy_is_the_same_on_a_cache_hit_and_on_a_continued_slot(parts, alone):
