@@ -21,8 +21,9 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     flat rows are the sampler's worst case: the nucleus spans most of the vocabulary), greedy,
     and top-p through the sampler's torch lines; and the steady state a server lives in (as many
     requests always in flight, each replaced by a new prompt as it ends, their lengths spread so
-    that they end at different steps), prompt tokens/s beside; and the sampler alone, its
-    one-launch kernel next to its torch lines.
+    that they end at different steps), prompt tokens/s and the time to first token beside, with
+    the engine's default prefill_every and with a prefill call every step; and the sampler alone,
+    its one-launch kernel next to its torch lines.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
 
@@ -568,12 +569,14 @@ def bench_engine(runner, results: dict) -> None:
             del engine
         # serving's steady state: as many requests always in flight, each replaced as it ends; with
         # the engine's default prefill_every (new prompts wait up to 4 steps to share a prefill
-        # call), and with a prefill call every step
+        # call), and with a prefill call every step. Timed after 5 s of the same load: a prefill
+        # shape runs without a graph on its first two sights (about 15 ms of launches a call at
+        # 1.5B), and the calls of several steps' prompts meet about 15 shapes at first
         steady = {}
         for every in (None, 1):
             engine = fresh_engine(config.model_copy(update={"prefill_every": every}))
             params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
-            steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=1.5))
+            steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=5.0))
             stats[f"steady, prefill_every {every}"] = engine.snapshot_stats()["counters"]
             engine.stop()
             del engine
