@@ -22,7 +22,7 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     and top-p through the sampler's torch lines; and the steady state a server lives in (as many
     requests always in flight, each replaced by a new prompt as it ends, their lengths spread so
     that they end at different steps), prompt tokens/s and the time to first token beside, with
-    the engine's default prefill_every and with a prefill call every step; and the sampler alone,
+    a prefill call every step and with prompts waiting up to 4 steps to share one; and the sampler alone,
     its one-launch kernel next to its torch lines.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
@@ -568,12 +568,11 @@ def bench_engine(runner, results: dict) -> None:
             engine.stop()
             del engine
         # serving's steady state: as many requests always in flight, each replaced as it ends; with
-        # the engine's default prefill_every (new prompts wait up to 4 steps to share a prefill
-        # call), and with a prefill call every step. Timed after 5 s of the same load: a prefill
-        # shape runs without a graph on its first two sights (about 15 ms of launches a call at
-        # 1.5B), and the calls of several steps' prompts meet about 15 shapes at first
+        # a prefill call every step (the default), and with new prompts waiting up to 4 steps to
+        # share one. Timed after 5 s of the same load: a prefill shape runs without a graph on its
+        # first two sights (about 15 ms of launches a call at 1.5B)
         steady = {}
-        for every in (None, 1):
+        for every in (1, 4):
             engine = fresh_engine(config.model_copy(update={"prefill_every": every}))
             params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
             steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=5.0))
@@ -583,12 +582,12 @@ def bench_engine(runner, results: dict) -> None:
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
-                                               "steady": steady[None], "steady_every_step": steady[1],
+                                               "steady": steady[1], "steady_every_4": steady[4],
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
             f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
             f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; steady, {concurrency} "
-            f"always in flight: {_steady(steady[None])} (a prefill call every step: {_steady(steady[1])}); "
+            f"always in flight: {_steady(steady[1])} (prompts waiting up to 4 steps: {_steady(steady[4])}); "
             f"runner alone {raw:,.0f}")
 
 
@@ -736,17 +735,17 @@ def table(results: dict, models: list[str]) -> str:
         lines += ["", "Engine (continuous batcher, sampling on the GPU). A burst: the requests sent at once, "
                   "64-token prompts, 128 new tokens each. Steady: as many always in flight, each replaced as it "
                   "ends, prompts of 32-96 tokens, 32-224 new tokens (generated tokens/s + prompt tokens/s, the "
-                  "time to first token's median / 90th percentile); new prompts wait up to the engine's default "
-                  "`prefill_every` steps to share a prefill call, or have one every step:",
+                  "time to first token's median / 90th percentile), with a prefill call every step (the engine's "
+                  "default) and with new prompts waiting up to 4 steps to share one (`prefill_every` 4):",
                   "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
-                  "steady, top-p 0.9 | steady, a prefill call every step | runner decode tokens/s | "
+                  "steady, top-p 0.9 | steady, prefill_every 4 | runner decode tokens/s | "
                   "burst top-p / greedy / steady, of the runner |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
                          f"{e['engine_torch_sampler']:,.0f} | {_steady(e['steady'])} | "
-                         f"{_steady(e['steady_every_step'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
+                         f"{_steady(e['steady_every_4'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
                          f"{e['engine_greedy'] / raw:.0%} / {e['steady']['generated'] / raw:.0%} |")
     if results["sampler"]:
         lines += ["", "Sampler alone (GPU, ms a step, the tokens read back):", "",

@@ -9,8 +9,8 @@ and iterate its events. One step of the loop:
      continues with no reload; else an empty slot; else the least recently used idle slot,
      backed into the prefix cache first; then the cache's longest prefix is loaded;
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
-     a cache checkpoint boundary) and run them on the runner; while rows decode, new prompts wait
-     up to `prefill_every` steps so that prompts of nearby steps share one call;
+     a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
+     wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
   5. sample every row that has fresh logits; feed the rows that go on their tokens at once (one
      decode call: on a GPU it runs while the host makes text and plans the next step); emit text.
 
@@ -63,11 +63,11 @@ class EngineConfig(BaseModel):
         "the engine is made (on a CUDA device, after the weights and slots; 1 GiB on the CPU)")
     host_cache_bytes: int = Field(4 << 30, ge=0, description="prefix cache budget in host memory")
     max_prompt_tokens: int = Field(1 << 20, ge=1, description="longer prompts are refused")
-    prefill_every: int | None = Field(
-        None, ge=1, description="while rows decode, a prompt waits up to this many steps for its prefill call, so "
-        "that prompts arriving at nearby steps share one call (on a GPU each call is a pass over the weights); a "
-        "budget of max_prefill_tokens waiting goes at once. 1: a call every step that has prompt tokens. None: 4 on "
-        "a GPU, 1 on the CPU (where a call's cost is its tokens')")
+    prefill_every: int = Field(
+        1, ge=1, description="while rows decode, a prompt waits up to this many steps for its prefill call, so that "
+        "prompts arriving at nearby steps share one call (on a GPU each call is a pass over the weights): more "
+        "tokens a second for a later first token; a budget of max_prefill_tokens waiting goes at once. 1: a call "
+        "every step that has prompt tokens")
 
 
 class EngineBusy(RuntimeError):
@@ -225,7 +225,6 @@ class Engine:
         self._decoded: tuple[list[_Row], Tensor] | None = None  # the last decode call's rows and logits
         self._uids = itertools.count(1)
         self._steps = 0  # steps run
-        self._prefill_every = self.config.prefill_every or (4 if torch.device(runner.device).type == "cuda" else 1)
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
         # submitted and not yet ended (guarded by _lock): counted from submit, on the caller's
@@ -456,13 +455,13 @@ class Engine:
     def _prefill_now(self, ready: list[_Row]) -> bool:
         """Whether this step runs a prefill call for the `ready` rows: at once when no row decodes
         (the call has the GPU to itself) or a budget's worth of tokens waits; else once the
-        longest-waiting row has waited `prefill_every` - 1 steps. Each call is a pass over the
-        weights beside the decode's (1.5B on an H200: prompts arriving every step cost about 3.5
-        ms a step where a decode of 256 rows takes 4; docs/gpu.md)."""
+        longest-waiting row has waited `prefill_every` - 1 steps. On a GPU each call is a pass
+        over the weights beside the decode's (docs/gpu.md: 1.5B's steady state with prefill_every
+        4 against 1)."""
         decoding = len(self._rows) - len(self._waiting) - len(ready)
         if decoding == 0 or sum(len(row.todo) for row in ready) >= self.config.max_prefill_tokens:
             return True
-        return self._steps - min(row.admitted_at for row in ready) >= self._prefill_every - 1
+        return self._steps - min(row.admitted_at for row in ready) >= self.config.prefill_every - 1
 
     def _run_prefill(self, plan: list[tuple[_Row, list[int]]]) -> None:
         if not plan:
