@@ -135,8 +135,8 @@ def test_while_rows_decode_prompts_wait_to_share_a_prefill_call(parts):
     big = tok.encode("".join(PROMPTS))[:48]
 
     async def scenario():
-        def step(*prompts):
-            for prompt in prompts:
+        def step(*new):
+            for prompt in new:
                 engine.submit(Request(prompt, long))
             engine._take_commands(block=False)
             engine._step()
