@@ -571,10 +571,9 @@ def bench_engine(runner, results: dict) -> None:
         # a prefill call every step (the default), and with new prompts waiting up to 4 steps to
         # share one. Timed after 5 s of the same load: a prefill shape runs without a graph on its
         # first two sights (about 15 ms of launches a call at 1.5B)
-        steady = {}
+        steady, params = {}, SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
         for every in (1, 4):
             engine = fresh_engine(config.model_copy(update={"prefill_every": every}))
-            params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
             steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=5.0))
             stats[f"steady, prefill_every {every}"] = engine.snapshot_stats()["counters"]
             engine.stop()

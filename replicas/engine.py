@@ -437,7 +437,8 @@ class Engine:
     # -- running -----------------------------------------------------------------------------
 
     def _plan_prefill(self) -> list[tuple[_Row, list[int]]]:
-        """Prompt chunks for this step, oldest request first, within the step's token budget."""
+        """Prompt chunks for this step, oldest request first, within the step's token budget; none
+        while the rows that have prompt tokens left wait to share a later call (_prefill_now)."""
         budget = self.config.max_prefill_tokens
         ready = [row for row in self._rows.values() if row.slot is not None and row.todo]
         if not ready or not self._prefill_now(ready):
