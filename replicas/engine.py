@@ -13,6 +13,9 @@ and iterate its events. One step of the loop:
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
   5. sample every row that has fresh logits; feed the rows that go on their tokens at once (one
      decode call: on a GPU it runs while the host makes text and plans the next step); emit text.
+     On a GPU a step's events reach the callers while the next step waits for the device to
+     sample (their event loop, which needs the GIL, then runs beside that wait, not beside the
+     next step's host work); elsewhere, or when nothing is left to sample, at the step's end.
 
 Every way a row ends (stop, length, cancelled, error) goes through `_finish`: the slot is freed,
 the state (prompt + generated tokens) is published to the prefix cache, and the caller is
@@ -225,6 +228,9 @@ class Engine:
         self._decoded: tuple[list[_Row], Tensor] | None = None  # the last decode call's rows and logits
         self._uids = itertools.count(1)
         self._steps = 0  # steps run
+        # model calls return before the device runs them (CUDA), and the host waits only to sample;
+        # on the CPU a call computes before it returns, so a step's events go at its end
+        self._calls_queue = torch.device(runner.device).type == "cuda"
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
         # submitted and not yet ended (guarded by _lock): counted from submit, on the caller's
@@ -343,13 +349,14 @@ class Engine:
                 log.exception("engine step failed")
                 for row in list(self._rows.values()):
                     self._finish(row, "error", f"internal error: {err}")
-            self._hand_over()
+            if not (self._calls_queue and any(row.fresh for row in self._rows.values())):
+                self._hand_over()  # else the next step's sampling hands them over (see _sample)
         for row in list(self._rows.values()):
             self._finish(row, "cancelled")
         self._hand_over()
 
     def _hand_over(self) -> None:
-        """Delivers the step's events: one wake-up per caller event loop, not one per token."""
+        """Delivers the events made so far: one wake-up per caller event loop, not one per token."""
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             try:
@@ -519,8 +526,10 @@ class Engine:
             return
         params = [row.request.params for row in rows]
         try:
+            # the events made since the last hand-over go to the callers while the host waits for
+            # the device: their event loop then runs beside the wait, not beside the next step
             out = self.sampler.sample(self._logits_of(rows), [row.slot for row in rows], params,
-                                      [row.rng.random() for row in rows])
+                                      [row.rng.random() for row in rows], before_wait=self._hand_over)
         except Exception as err:
             log.exception("sampling failed")
             for row in rows:

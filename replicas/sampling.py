@@ -17,7 +17,7 @@ device runs instead of the torch lines here (they stay as its reference, and as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +125,11 @@ class Sampler:
 
     @torch.no_grad()
     def sample(
-        self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams], uniforms: Sequence[float]
+        self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams], uniforms: Sequence[float],
+        before_wait: Callable[[], None] = lambda: None,
     ) -> SampleOutput:
-        """logits [B, V] -> one token per row; updates the penalty counts of the rows' slots."""
+        """logits [B, V] -> one token per row; updates the penalty counts of the rows' slots.
+        before_wait runs once the choice is queued, before the host waits for the device to make it."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
         if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
@@ -136,7 +138,9 @@ class Sampler:
             if self._slot_params is None:
                 self._slot_params = SlotParams(self.counts.shape[0], self.vocab_size, self.counts.device)
             self._slot_params.update(slots, params)
-            token_list = sample(x, self.counts, self._slot_params.table, slots, params, uniforms).tolist()  # one sync
+            tokens = sample(x, self.counts, self._slot_params.table, slots, params, uniforms)
+            before_wait()
+            token_list = tokens.tolist()  # one sync
             return SampleOutput(token_list, _logprobs(x, token_list, params))
         self._apply_penalties(x, slots, params)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -148,6 +152,7 @@ class Sampler:
                 index = _upload(random_rows, x.device)
                 chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
                 tokens = tokens.index_put((index,), chosen)
+        before_wait()
         token_list = tokens.tolist()  # the one host synchronisation of a step
         self._record(slots, token_list, params)
         return SampleOutput(token_list, _logprobs(x, token_list, params))

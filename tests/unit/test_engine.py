@@ -30,13 +30,16 @@ def parts(demo_model_dir):
     return runner.model, tokenizer
 
 
-def make_engine(parts, **config) -> Engine:
+def make_engine(parts, calls_queue: bool = False, **config) -> Engine:
+    """calls_queue: events handed over as on a GPU, at the next sampling's wait (Engine._loop)."""
     from replicas.model.runner import ModelRunner
 
     model, tokenizer = parts
     settings = {"max_slots": 4, "cache_min_tokens": 8, "token_chunk_size": 16, "max_prefill_tokens": 48,
                 "checkpoint_interval": 32, **config}
-    return Engine(ModelRunner(model, settings["max_slots"]), tokenizer, EngineConfig(**settings)).start()
+    engine = Engine(ModelRunner(model, settings["max_slots"]), tokenizer, EngineConfig(**settings))
+    engine._calls_queue = calls_queue
+    return engine.start()
 
 
 class Result:
@@ -100,9 +103,9 @@ def alone(parts):
     return out
 
 
-@pytest.mark.parametrize("prefill_every", [1, 3])
-def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, alone, prefill_every):
-    engine = make_engine(parts, prefill_every=prefill_every)
+@pytest.mark.parametrize(("prefill_every", "calls_queue"), [(1, False), (3, False), (1, True)])
+def test_greedy_is_the_same_in_a_full_batch_with_arrivals_and_departures(parts, alone, prefill_every, calls_queue):
+    engine = make_engine(parts, calls_queue, prefill_every=prefill_every)
     try:
         async def scenario():
             jobs = []
@@ -267,8 +270,9 @@ def test_a_wait_that_times_out_loses_no_event(parts, alone):
         engine.stop()
 
 
-def test_stress_random_submit_cancel_finish_leaks_nothing(parts):
-    engine = make_engine(parts, max_slots=3, max_waiting=6)
+@pytest.mark.parametrize("calls_queue", [False, True])
+def test_stress_random_submit_cancel_finish_leaks_nothing(parts, calls_queue):
+    engine = make_engine(parts, calls_queue, max_slots=3, max_waiting=6)
     tok = parts[1]
     rng = random.Random(7)
     outcomes = {"busy": 0, "done": 0, "cancelled": 0}

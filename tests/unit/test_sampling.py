@@ -178,3 +178,11 @@ def test_the_window_and_the_radix_selection_agree():
     k = [[vocab, 1, 7, 200, 1000][i % 5] for i in range(32)]
     p = [[0.9, 0.5, 1.0, 0.05, 0.99, 0.3, 0.999][i % 7] for i in range(32)]
     assert torch.equal(x >= window_cutoffs(x, k, p), x >= radix_cutoffs(x, k, p))
+
+
+def test_before_wait_runs_once_a_call_whatever_the_rows_ask():
+    x, s, calls = logits(3), Sampler(4, V), []
+    for params in (SamplingParams(temperature=0.0), SamplingParams(top_p=0.5, presence_penalty=0.5)):
+        out = s.sample(x, [0, 1, 2], [params] * 3, [0.5] * 3, before_wait=lambda: calls.append(1))
+        assert len(out.tokens) == 3
+    assert calls == [1, 1]
