@@ -230,7 +230,7 @@ class Engine:
         self._steps = 0  # steps run
         # model calls return before the device runs them (CUDA), and the host waits only to sample;
         # on the CPU a call computes before it returns, so a step's events go at its end
-        self._calls_queue = torch.device(runner.device).type == "cuda"
+        self._calls_queue = runner.device.type == "cuda"
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
         # submitted and not yet ended (guarded by _lock): counted from submit, on the caller's

@@ -153,7 +153,7 @@ class Sampler:
                 chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
                 tokens = tokens.index_put((index,), chosen)
         before_wait()
-        token_list = tokens.tolist()  # the one host synchronisation of a step
+        token_list = tokens.tolist()  # the last host synchronisation (top-k / top-p make one before: _cutoffs)
         self._record(slots, token_list, params)
         return SampleOutput(token_list, _logprobs(x, token_list, params))
 
