@@ -9,7 +9,10 @@ BlinkDL checkpoint in this run):
   * for the 0.1B checkpoint, the `rwkv` package's single-stream decode tokens/s on the same file,
     measured in the same run (needs `pip install rwkv==0.8.32`, part of the test extra).
 
-    python bench/engine_cpu.py [--models demo,0.1b] [--new-tokens 64] [--prompt-tokens 2000]
+    python bench/engine_cpu.py [--models demo,0.1b] [--new-tokens 64] [--prompt-tokens 2000] [--threads N]
+
+torch's threads are a served CPU replica's by default: Ray sets OMP_NUM_THREADS to a replica's
+`num_cpus` (serve_app.config, 1 unless configured), and torch takes that many.
 
 With --overhead, only the engine's cost per decode step outside the model (sampling, text,
 events, asyncio), at 128 and 256 concurrent 1-token prompts on the demo model.
@@ -217,12 +220,17 @@ def reference_single_stream(pth: Path, new_tokens: int) -> float:
 
 
 def main() -> None:
+    from serve_app.config import AppConfig  # noqa: PLC0415 (bench/gpu.py imports this module where serve_app's needs are not)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="demo,0.1b")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--overhead", action="store_true", help="only the engine's per-step cost outside the model")
+    parser.add_argument("--threads", type=int, default=max(1, int(AppConfig().num_cpus)),
+                        help="torch's threads (default: a served CPU replica's, its num_cpus)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.overhead:
         print("| rows | ms a step | model | outside the model |\n|---|---|---|---|")
