@@ -220,7 +220,9 @@ def reference_single_stream(pth: Path, new_tokens: int) -> float:
 
 
 def main() -> None:
-    from serve_app.config import AppConfig  # noqa: PLC0415 (bench/gpu.py imports this module where serve_app's needs are not)
+    # (imported here: bench/gpu.py imports this module on the GPU machine, which need not have
+    # serve_app's dependencies)
+    from serve_app.config import AppConfig  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="demo,0.1b")
