@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import random
 import sys
@@ -128,8 +129,8 @@ async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, para
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     first_token.sort()
 
-    def ms_at(q: float) -> float:
-        return 1e3 * first_token[min(len(first_token) - 1, int(q * len(first_token)))] if first_token else 0.0
+    def ms_at(q: float) -> float:  # (nan, not 0, when no request of the window got its first token)
+        return 1e3 * first_token[min(len(first_token) - 1, int(q * len(first_token)))] if first_token else math.nan
 
     return {"generated": counted["generated"] / seconds, "prompt": counted["prompt"] / seconds,
             "ttft_p50_ms": ms_at(0.5), "ttft_p90_ms": ms_at(0.9)}
