@@ -8,7 +8,11 @@ out (the engine detokenizes; logprob token ids are mapped to their text and byte
 
 `generate(request)` is called through a streaming handle and yields `Chunk`s:
     first    Chunk() when the engine accepted the request, or Chunk(error=...) and the end;
-    then     Chunk(text, logprobs), at most one per `stream_delay_s` or `stream_tokens` tokens;
+    then     Chunk(text, logprobs): the first token's at once, then at most one per interval or
+             `stream_tokens` tokens, where the interval is `stream_delay_s`, or longer while more
+             than `stream_chunks_per_s · stream_delay_s` requests stream (the replica then sends
+             `stream_chunks_per_s` chunks a second in all: Ray Serve's streaming costs per message,
+             in the replica, the ingress and the proxy; docs/serving.md "Streaming");
     last     Chunk(finish_reason, usage), possibly with the last text.
 A caller that stops iterating (the ingress cancels the call when its client goes) cancels the
 request's row in the engine.
@@ -60,7 +64,8 @@ class ReplicaConfig(BaseModel):
     device: str = "cpu"
     engine: EngineConfig = EngineConfig()
     stream_delay_s: float = 0.02
-    stream_tokens: int = 16
+    stream_tokens: int = 64
+    stream_chunks_per_s: float = 1000.0
     metrics_interval_s: float = 1.0
 
 
@@ -123,6 +128,7 @@ class Replica:
         self.registry = connect_registry(app_name) if connect_registry else None
         self.catalog_version: int | None = None
         self.load_errors = 0
+        self._streams = 0  # requests streaming now
         self._sync_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         if self.registry is not None:
@@ -136,12 +142,19 @@ class Replica:
         except (InvalidRequest, UnknownInitState, EngineBusy) as err:
             yield Chunk(error=_refusal(err))
             return
+        self._streams += 1
         try:
             yield Chunk()
-            async for events in coalesce(stream, self.config.stream_delay_s, self.config.stream_tokens):
+            async for events in coalesce(stream, self._interval, self.config.stream_tokens):
                 yield self._chunk(events)
         finally:
+            self._streams -= 1
             stream.cancel()  # a no-op when the request finished; else it frees the row
+
+    def _interval(self) -> float:
+        """How long a stream's chunk waits for more tokens: stream_delay_s, or as long as keeps the
+        replica's chunks at stream_chunks_per_s a second over its streams."""
+        return max(self.config.stream_delay_s, self._streams / self.config.stream_chunks_per_s)
 
     async def check_health(self) -> None:
         """Serve's health check: the engine thread must be turning."""
@@ -249,16 +262,18 @@ class Replica:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-async def coalesce(events: RequestStream, max_delay: float, max_tokens: int) -> AsyncIterator[list[Event]]:
-    """A request's events in groups: a group closes at Finished, at `max_tokens` tokens, or
-    `max_delay` seconds after its first event. `Started` carries nothing to send and is skipped.
+async def coalesce(events: RequestStream, interval: Callable[[], float], max_tokens: int) -> AsyncIterator[list[Event]]:
+    """A request's events in groups. The first group closes at the first event with text (the
+    time to first token is not traded for fewer messages); later ones at Finished, at
+    `max_tokens` tokens, or `interval()` seconds after their first event (read as a group opens).
+    `Started` carries nothing to send and is skipped.
 
     Waiting on `events` is cancelled at a deadline, so `events` must survive a cancelled
     `__anext__` (a RequestStream does: it waits on a queue; an async generator would be closed).
     """
     loop = asyncio.get_running_loop()
     group: list[Event] = []
-    tokens, deadline = 0, None
+    tokens, deadline, texted = 0, None, False
     while True:
         try:
             async with asyncio.timeout_at(deadline):
@@ -273,11 +288,13 @@ async def coalesce(events: RequestStream, max_delay: float, max_tokens: int) -> 
             continue
         group.append(event)
         tokens += len(event.token_ids) if isinstance(event, Delta) else 0
-        if isinstance(event, Finished) or tokens >= max_tokens:
+        first = not texted and isinstance(event, Delta) and bool(event.text or event.logprobs)
+        texted = texted or first
+        if isinstance(event, Finished) or tokens >= max_tokens or first:
             yield group
             group, tokens, deadline = [], 0, None
         elif deadline is None:
-            deadline = loop.time() + max_delay
+            deadline = loop.time() + interval()
     if group:
         yield group
 

@@ -41,28 +41,35 @@ def delta(text: str = "x") -> Delta:
     return Delta(text, (1,))
 
 
-def test_coalesce_bounds_groups_by_size_and_by_time():
+def test_coalesce_sends_the_first_token_at_once_then_bounds_groups_by_size_and_by_time():
     async def run():
         stream = FakeStream()
         groups = []
+        interval = 0.05
 
         async def consume():
-            async for group in coalesce(stream, max_delay=0.05, max_tokens=4):
-                groups.append([type(e).__name__ for e in group])
+            async for group in coalesce(stream, lambda: interval, max_tokens=4):
+                groups.append([type(e).__name__ + (e.text if isinstance(e, Delta) else "") for e in group])
 
         task = asyncio.create_task(consume())
         stream.queue.put_nowait(Started(3, 0))
-        for _ in range(6):  # a burst: one full group of 4, then 2 left
-            stream.queue.put_nowait(delta())
-        await asyncio.sleep(0.2)  # the 2 leftover go out by the deadline, not with the next token
-        assert groups == [["Delta"] * 4, ["Delta"] * 2]
-        stream.queue.put_nowait(delta())
-        stream.queue.put_nowait(Finished("length", Usage(3, 7, 0)))
+        for text in ("", "a", "b", "c", "d", "e", "f", "g"):  # a burst: "" is no text yet (a partial character)
+            stream.queue.put_nowait(delta(text))
+        await asyncio.sleep(0.2)  # the leftover go out by the deadline, not with the next token
+        assert groups == [["Delta", "Deltaa"], ["Deltab", "Deltac", "Deltad", "Deltae"], ["Deltaf", "Deltag"]]
+        interval = 0.4  # read as a group opens: the replica lengthens it when many requests stream
+        stream.queue.put_nowait(delta("h"))
+        await asyncio.sleep(0.2)
+        assert len(groups) == 3
+        await asyncio.sleep(0.4)
+        assert groups[-1] == ["Deltah"]
+        stream.queue.put_nowait(delta("i"))
+        stream.queue.put_nowait(Finished("length", Usage(3, 9, 0)))
         await task
         return groups
 
     groups = asyncio.run(run())
-    assert groups[-1] == ["Delta", "Finished"]
+    assert groups[-1] == ["Deltai", "Finished"]
 
 
 @pytest.fixture(scope="module")
