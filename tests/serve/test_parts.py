@@ -91,7 +91,13 @@ def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir)
             endless = replica.generate(Request([1, 2], SamplingParams(max_tokens=100000, ignore_eos=True)))
             await anext(endless)
             await anext(endless)
+            # one stream: the chunks' interval is the delay; with more the replica's chunks a second are bounded
+            assert replica._streams == 1 and replica._interval() == replica.config.stream_delay_s
+            replica._streams += 99
+            assert replica._interval() == 100 / replica.config.stream_chunks_per_s
+            replica._streams -= 99
             await endless.aclose()  # what the ingress's cancelled call amounts to
+            assert replica._streams == 0
             for _ in range(100):
                 stats = replica.engine.snapshot_stats()
                 if stats["counters"].get("finished_cancelled"):

@@ -56,3 +56,7 @@ def test_deployment_options_follow_the_config():
     assert router["request_router_class"] == "serve_app.router:StateAffinityRouter"
     assert router["request_router_kwargs"] == {"block_tokens": config.engine.cache_min_tokens, "slots": 6}
     assert "request_router_config" not in AppConfig(state_affinity=False).replica_options(num_gpus=0)
+    for actor in (options["ray_actor_options"], config.ingress_options()["ray_actor_options"]):
+        assert actor["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    streaming = AppConfig(stream={"max_delay_ms": 50, "max_chunks_per_s": 250}).replica_config(num_gpus=0)
+    assert (streaming.stream_delay_s, streaming.stream_chunks_per_s) == (0.05, 250)
