@@ -12,7 +12,7 @@ out (the engine detokenizes; logprob token ids are mapped to their text and byte
              `stream_tokens` tokens, where the interval is `stream_delay_s`, or longer while more
              than `stream_chunks_per_s · stream_delay_s` requests stream (the replica then sends
              `stream_chunks_per_s` chunks a second in all: Ray Serve's streaming costs per message,
-             in the replica, the ingress and the proxy; docs/serving.md "Streaming");
+             in the replica, the ingress and the proxy; docs/serving.md, "Streaming over HTTP");
     last     Chunk(finish_reason, usage), possibly with the last text.
 A caller that stops iterating (the ingress cancels the call when its client goes) cancels the
 request's row in the engine.

@@ -24,9 +24,9 @@ from .chat import ChatTemplate
 
 # Both deployments run their code on the replica's own event loop, not on a second one beside it:
 # each streamed message crossed between the two loops (on an H200, 1.5B, 64 requests streaming over
-# HTTP: 4,982 -> 8,133 generated tokens/s; docs/serving.md, Streaming). Env vars are added to an
-# application's runtime_env, not put in its place.
-SERVE_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+# HTTP: 4,982 -> 8,133 generated tokens/s; docs/serving.md, "Streaming over HTTP"). Env vars are
+# added to an application's runtime_env, not put in its place.
+SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 class Autoscaling(BaseModel):
@@ -50,7 +50,7 @@ class Autoscaling(BaseModel):
 class StreamSettings(BaseModel):
     """How replicas coalesce tokens into the messages they stream to the ingress (a request's first
     token goes at once). Ray Serve's streaming costs per message, in the replica, the ingress and
-    the proxy, so a replica bounds its messages a second (docs/serving.md, Streaming)."""
+    the proxy, so a replica bounds its messages a second (docs/serving.md, "Streaming over HTTP")."""
 
     max_delay_ms: float = Field(
         20.0, gt=0, description="a chunk is sent at most this long after its first token, while few requests stream")
@@ -112,7 +112,8 @@ class AppConfig(BaseModel):
     def replica_options(self, num_gpus: float) -> dict[str, Any]:
         """Ray Serve deployment options of the model replicas."""
         options: dict[str, Any] = {
-            "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": self.num_cpus, "runtime_env": SERVE_ENV},
+            "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": self.num_cpus,
+                                  "runtime_env": {"env_vars": dict(SERVE_ENV_VARS)}},
             "max_ongoing_requests": self.max_ongoing_requests(),
             "max_queued_requests": self.max_queued_requests,
             "health_check_period_s": 5.0,
@@ -135,7 +136,7 @@ class AppConfig(BaseModel):
         return {
             "num_replicas": self.ingress_replicas,
             "max_ongoing_requests": self.ingress_max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": 0, "runtime_env": SERVE_ENV},
+            "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_ENV_VARS)}},
         }
 
 
