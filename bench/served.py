@@ -36,7 +36,6 @@ import json
 import math
 import multiprocessing
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from routing import free_port, say  # noqa: E402 (bench/routing.py, beside this file)
 
 from replicas.engine import Delta, Engine, EngineConfig, Finished, Request  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
@@ -55,16 +57,6 @@ from serve_app.config import AppConfig  # noqa: E402
 
 MAX_TOKENS = (32, 224)  # each request's max_tokens, drawn uniformly (mean 128)
 STREAMS_PER_CLIENT = 64
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def draw(rng: random.Random, prompt_tokens: int, vocab: int) -> tuple[list[int], int]:
@@ -186,9 +178,10 @@ def http_client(url: str, streams: int, begin: float, end: float, seed: int, pro
 def http_side(url: str, streams: int, args, vocab: int) -> dict[str, float]:
     clients = args.clients or max(1, math.ceil(streams / STREAMS_PER_CLIENT))
     shares = [streams // clients + (i < streams % clients) for i in range(clients)]
-    begin = time.monotonic() + args.warm
-    end = begin + args.seconds
     with ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.5] * clients))  # every client up (each imports this file) before the window
+        begin = time.monotonic() + args.warm
+        end = begin + args.seconds
         futures = [pool.submit(http_client, url, n, begin, end, args.seed + i, args.prompt_tokens, vocab)
                    for i, n in enumerate(shares)]
         records = [r for f in futures for r in f.result()]
@@ -200,7 +193,6 @@ def http_side(url: str, streams: int, args, vocab: int) -> dict[str, float]:
 
 def random_checkpoint(shape: str, where: Path) -> Path:
     """A random model of a released shape as a model directory (bench/gpu.py's distributions)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu import SHAPES, random_model  # noqa: PLC0415
 
     from replicas.model.checkpoint import WORLD_VOCAB, save_model  # noqa: PLC0415
