@@ -92,6 +92,21 @@ async def generated_rate(engine: Engine, prompts: list[list[int]], params: Sampl
     return sum(counts) / (time.perf_counter() - start)
 
 
+STEADY_MAX_TOKENS = (32, 224)  # a steady load's max_tokens, drawn uniformly (mean 128)
+
+
+def draw_request(rng: random.Random, prompt_tokens: int, vocab: int) -> tuple[list[int], int]:
+    """A request of a steady load: a random prompt of prompt_tokens/2 to 3·prompt_tokens/2 tokens,
+    and its max_tokens."""
+    length = rng.randint(prompt_tokens // 2, prompt_tokens * 3 // 2)
+    return [rng.randrange(1, vocab) for _ in range(length)], rng.randint(*STEADY_MAX_TOKENS)
+
+
+def ms_at(values: list[float], q: float) -> float:
+    """The q-quantile of sorted seconds, in ms (nan, not 0, when there are none)."""
+    return 1e3 * values[min(len(values) - 1, int(q * len(values)))] if values else math.nan
+
+
 async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, params: SamplingParams,
                       seconds: float, warm_seconds: float = 1.0, seed: int = 0) -> dict[str, float]:
     """Serving in a steady state: `concurrency` requests always in flight, each one that ends
@@ -109,9 +124,8 @@ async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, para
 
     async def worker() -> None:
         while time.perf_counter() < end:
-            length = rng.randint(prompt_tokens // 2, prompt_tokens * 3 // 2)
-            prompt = [rng.randrange(1, engine.runner.vocab_size) for _ in range(length)]
-            request = Request(prompt, dataclasses.replace(params, max_tokens=rng.randrange(32, 225)))
+            prompt, max_tokens = draw_request(rng, prompt_tokens, engine.runner.vocab_size)
+            request = Request(prompt, dataclasses.replace(params, max_tokens=max_tokens))
             sent, waiting = time.perf_counter(), True
             async for event in engine.generate(request):
                 now = time.perf_counter()
@@ -129,11 +143,8 @@ async def steady_rate(engine: Engine, concurrency: int, prompt_tokens: int, para
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     first_token.sort()
 
-    def ms_at(q: float) -> float:  # (nan, not 0, when no request of the window got its first token)
-        return 1e3 * first_token[min(len(first_token) - 1, int(q * len(first_token)))] if first_token else math.nan
-
     return {"generated": counted["generated"] / seconds, "prompt": counted["prompt"] / seconds,
-            "ttft_p50_ms": ms_at(0.5), "ttft_p90_ms": ms_at(0.9)}
+            "ttft_p50_ms": ms_at(first_token, 0.5), "ttft_p90_ms": ms_at(first_token, 0.9)}
 
 
 def long_prompt(tokenizer, n: int) -> list[int]:

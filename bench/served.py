@@ -43,26 +43,21 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from routing import free_port, say  # noqa: E402 (bench/routing.py, beside this file)
+from engine_cpu import STEADY_MAX_TOKENS, draw_request, ms_at  # noqa: E402 (beside this file)
+from routing import free_port, say  # noqa: E402
 
 from replicas.engine import Delta, Engine, EngineConfig, Finished, Request  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
 from replicas.sampling import SamplingParams  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 
-MAX_TOKENS = (32, 224)  # each request's max_tokens, drawn uniformly (mean 128)
 STREAMS_PER_CLIENT = 64
-
-
-def draw(rng: random.Random, prompt_tokens: int, vocab: int) -> tuple[list[int], int]:
-    """A request of the load: a random prompt and its max_tokens."""
-    length = rng.randint(prompt_tokens // 2, prompt_tokens * 3 // 2)
-    return [rng.randrange(1, vocab) for _ in range(length)], rng.randint(*MAX_TOKENS)
 
 
 async def steady_load(send, streams: int, begin: float, end: float, seed: int, prompt_tokens: int,
@@ -78,7 +73,7 @@ async def steady_load(send, streams: int, begin: float, end: float, seed: int, p
     async def worker() -> None:
         nonlocal open_before_end
         while time.monotonic() < end or open_before_end:
-            prompt, max_tokens = draw(rng, prompt_tokens, vocab)
+            prompt, max_tokens = draw_request(rng, prompt_tokens, vocab)
             sent, first, tokens = time.monotonic(), math.nan, 0
             counted = sent < end
             open_before_end += counted
@@ -114,12 +109,8 @@ def figures(records: list[tuple[float, float, float, int]], begin: float, end: f
             if tokens > 1:
                 tpot.append((done - first) / (tokens - 1))
     ttft.sort()
-
-    def ms(values: list[float], q: float) -> float:
-        return 1e3 * values[min(len(values) - 1, int(q * len(values)))] if values else math.nan
-
-    return {"generated": generated / (end - begin), "requests": len(ttft), "ttft_p50": ms(ttft, 0.5),
-            "ttft_p90": ms(ttft, 0.9), "tpot_p50": 1e3 * statistics.median(tpot) if tpot else math.nan}
+    return {"generated": generated / (end - begin), "requests": len(ttft), "ttft_p50": ms_at(ttft, 0.5),
+            "ttft_p90": ms_at(ttft, 0.9), "tpot_p50": 1e3 * statistics.median(tpot) if tpot else math.nan}
 
 
 # -- the engine alone --------------------------------------------------------------------------
@@ -146,7 +137,6 @@ def engine_side(engine: Engine, streams: int, args, vocab: int, params: Sampling
 def http_client(url: str, streams: int, begin: float, end: float, seed: int, prompt_tokens: int,
                 vocab: int) -> list[tuple[float, float, float, int]]:
     """One client process's share of the load over HTTP (top level: it runs in a child process)."""
-    import httpx  # noqa: PLC0415
 
     async def run() -> list[tuple[float, float, float, int]]:
         limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
@@ -275,8 +265,9 @@ def main() -> None:
         ray.shutdown()
 
     print(f"{card.name} on {where}, {time.strftime('%Y-%m-%d')}: requests always in flight, prompts of "
-          f"{args.prompt_tokens // 2}-{args.prompt_tokens * 3 // 2} tokens, {MAX_TOKENS[0]}-{MAX_TOKENS[1]} new "
-          f"tokens each (top-p 0.9); {args.seconds:.0f} s window after {args.warm:.0f} s of load; "
+          f"{args.prompt_tokens // 2}-{args.prompt_tokens * 3 // 2} tokens, "
+          f"{STEADY_MAX_TOKENS[0]}-{STEADY_MAX_TOKENS[1]} new tokens each (top-p 0.9); "
+          f"{args.seconds:.0f} s window after {args.warm:.0f} s of load; "
           f"engine: max_slots {engine_config.max_slots}, max_prefill_tokens {engine_config.max_prefill_tokens}\n")
     print("| in flight | side | generated tokens/s | first token ms, p50 / p90 | ms per output token, p50 | "
           "requests sent in the window |")
