@@ -1,5 +1,6 @@
-"""What serving costs on top of the engine: the application over HTTP (Ray Serve, the ingress, one
-replica) against the engine alone (no Ray, no HTTP), on one device, side by side in one run.
+"""What serving costs on top of the engine: the application over HTTP (Ray Serve, its ingress
+replicas as the config derives them, one model replica) against the engine alone (no Ray, no
+HTTP), on one device, side by side in one run.
 
 Both sides get the same steady load: N requests always in flight, each replaced as it ends by a
 new random prompt of prompt_tokens/2 to 3·prompt_tokens/2 tokens, max_tokens drawn from 32-224,
@@ -253,7 +254,8 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        say("over HTTP: deploying the application (one replica; it loads and warms up the model)")
+        say(f"over HTTP: deploying the application (one replica, which loads and warms up the model; "
+            f"{config.ingress_options()['num_replicas']} ingress replica(s))")
         started = time.monotonic()
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         say(f"  ready in {time.monotonic() - started:.0f} s")

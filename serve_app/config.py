@@ -76,7 +76,11 @@ class AppConfig(BaseModel):
         True, description="send a request to the replica that last took the longest prefix of its prompt (its state "
         "is likely cached there) while it has a free slot; false: Ray Serve's default router")
 
-    ingress_replicas: int = Field(1, ge=1)
+    ingress_replicas: int | None = Field(
+        None, ge=1, description="HTTP-side replicas; None: enough for `ingress_streams` requests each when every model "
+        "replica's slots are busy, scaling with the model replicas when they autoscale")
+    ingress_streams: int = Field(
+        64, ge=1, description="requests in flight per ingress replica to aim for (when ingress_replicas is None)")
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests in flight per ingress replica")
 
     host: str = Field("127.0.0.1", description="HTTP host (rwkv-fleet serve; serve deploy uses http_options)")
@@ -133,11 +137,34 @@ class AppConfig(BaseModel):
         return options
 
     def ingress_options(self) -> dict[str, Any]:
-        return {
-            "num_replicas": self.ingress_replicas,
+        """Ray Serve deployment options of the ingress. One ingress replica's event loop relays every
+        message of its streams: with 256 streaming through one, a new request waited 2.4 s for its
+        first token (on an H200, "Streaming over HTTP" in docs/serving.md), so by default there is
+        one ingress replica per `ingress_streams` of the model replicas' slots."""
+        options: dict[str, Any] = {
             "max_ongoing_requests": self.ingress_max_ongoing_requests,
             "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_ENV_VARS)}},
         }
+        if self.ingress_replicas is not None:
+            options["num_replicas"] = self.ingress_replicas
+        elif self.autoscaling is None:
+            options["num_replicas"] = self._ingresses_for(self.replicas)
+        else:
+            scaling = self.autoscaling
+            options["autoscaling_config"] = {
+                "min_replicas": self._ingresses_for(scaling.min_replicas),
+                "max_replicas": self._ingresses_for(scaling.max_replicas),
+                "initial_replicas": (None if scaling.initial_replicas is None
+                                     else self._ingresses_for(scaling.initial_replicas)),
+                "target_ongoing_requests": self.ingress_streams,
+                "upscale_delay_s": scaling.upscale_delay_s,
+                "downscale_delay_s": scaling.downscale_delay_s,
+            }
+        return options
+
+    def _ingresses_for(self, replicas: int) -> int:
+        """Ingress replicas for `replicas` full model replicas (at least one: HTTP always answers)."""
+        return max(1, -(-replicas * self.engine.max_slots // self.ingress_streams))
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AppConfig:

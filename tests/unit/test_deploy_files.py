@@ -8,6 +8,7 @@ import ray.autoscaler
 import yaml
 from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.config import AppConfig, read_config_file
@@ -60,3 +61,16 @@ def test_deployment_options_follow_the_config():
         assert actor["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     streaming = AppConfig(stream={"max_delay_ms": 50, "max_chunks_per_s": 250}).replica_config(num_gpus=0)
     assert (streaming.stream_delay_s, streaming.stream_chunks_per_s) == (0.05, 250)
+
+
+def test_ingress_replicas_follow_the_slots_they_front():
+    assert AppConfig(engine={"max_slots": 6}, replicas=3).ingress_options()["num_replicas"] == 1  # 18 streams
+    big = {"engine": {"max_slots": 128, "max_waiting": 0}, "ingress_streams": 64}
+    assert AppConfig(**big, replicas=3).ingress_options()["num_replicas"] == 6  # 384 streams
+    assert AppConfig(**big, ingress_replicas=2).ingress_options()["num_replicas"] == 2  # set: taken as it is
+    scaled = AppConfig(**big, autoscaling={"min_replicas": 0, "max_replicas": 5, "initial_replicas": 1})
+    options = scaled.ingress_options()
+    assert "num_replicas" not in options
+    ingress = AutoscalingConfig(**options["autoscaling_config"])  # what Serve takes
+    assert (ingress.min_replicas, ingress.initial_replicas, ingress.max_replicas) == (1, 2, 10)
+    assert ingress.target_ongoing_requests == 64 and ingress.upscale_delay_s == scaled.autoscaling.upscale_delay_s
