@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel
 
 from .engine import (
@@ -57,6 +59,14 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("ray.serve.rwkv_fleet.replica")
 
 HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
+
+# On a GPU the engine thread shares the replica process's GIL with Serve's event loop and Ray's
+# threads, which stream the chunks out. It lets the GIL go at every wait on the GPU and, while
+# another thread runs Python, takes it back only at that thread's next switch (5 ms by default,
+# several times a step). At 0.5 ms: 1.5B on an H200, 256 requests streaming over HTTP, 10,906 ->
+# 13,416 generated tokens/s in one run (docs/serving.md, "Streaming over HTTP"). On the CPU it
+# gained nothing measurable, so a CPU replica keeps Python's default.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class ReplicaConfig(BaseModel):
@@ -118,6 +128,8 @@ class Replica:
         return replica
 
     async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
+        if torch.device(config.device).type == "cuda":
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
         self.config = config
         self.replica_id, app_name = _replica_identity()
         runner, self.tokenizer, self.card = await asyncio.to_thread(

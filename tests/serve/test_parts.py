@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 
 import pytest
 
-from replicas.deployment import Chunk, Replica, ReplicaConfig, coalesce
+from replicas.deployment import GIL_SWITCH_INTERVAL_S, Chunk, Replica, ReplicaConfig, coalesce
 from replicas.engine import Delta, Finished, Request, Started, Usage
 from replicas.sampling import SamplingParams
 from serve_app.chat import LeadingSpace
@@ -79,8 +80,10 @@ def model_dir(tmp_path_factory):
 
 def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir):
     async def run():
+        switch = sys.getswitchinterval()
         replica = await Replica.create(ReplicaConfig(model_dir=model_dir, engine={"max_slots": 2}))
         try:
+            assert sys.getswitchinterval() == switch != GIL_SWITCH_INTERVAL_S  # a GPU replica's only
             chunks = [c async for c in replica.generate(Request([1, 2, 3], SamplingParams(max_tokens=20)))]
             assert chunks[0] == Chunk() and chunks[-1].finish_reason == "length"
             assert chunks[-1].usage.completion_tokens == 20 and len(chunks) < 20
@@ -108,6 +111,7 @@ def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir)
             replica.engine.check_integrity()
         finally:
             replica.close()
+            sys.setswitchinterval(switch)
 
     asyncio.run(run())
 
