@@ -36,6 +36,8 @@ def test_serve_config_builds_an_application_without_ray():
     builder = getattr(__import__(module, fromlist=[name]), name)
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
     assert AppConfig.model_validate(app.args).num_gpus == "auto"
+    scaled = {**app.args, "autoscaling": {"min_replicas": 1, "max_replicas": 8}}  # serve_config.yaml's commented block
+    assert isinstance(call_user_app_builder_with_args_if_necessary(builder, scaled), Application)  # Serve takes both
 
 
 def test_rwkv_fleet_serve_reads_serve_config_args():
