@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel
 
 from .engine import (
@@ -128,12 +127,12 @@ class Replica:
         return replica
 
     async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
-        if torch.device(config.device).type == "cuda":
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
         self.config = config
         self.replica_id, app_name = _replica_identity()
         runner, self.tokenizer, self.card = await asyncio.to_thread(
             open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
+        if runner.device.type == "cuda":
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
         await asyncio.to_thread(runner.warm_up, log.info)  # no request waits for a compile
         self.model_config = runner.config
         self.engine = Engine(runner, self.tokenizer, config.engine).start()

@@ -29,6 +29,11 @@ from .chat import ChatTemplate
 SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
+def _runtime_env() -> dict[str, Any]:
+    """A deployment's runtime_env: a fresh dict each (Serve merges the application's into it)."""
+    return {"env_vars": dict(SERVE_ENV_VARS)}
+
+
 class Autoscaling(BaseModel):
     """Ray Serve autoscaling of the model replicas (set it instead of a fixed `replicas`)."""
 
@@ -117,7 +122,7 @@ class AppConfig(BaseModel):
         """Ray Serve deployment options of the model replicas."""
         options: dict[str, Any] = {
             "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": self.num_cpus,
-                                  "runtime_env": {"env_vars": dict(SERVE_ENV_VARS)}},
+                                  "runtime_env": _runtime_env()},
             "max_ongoing_requests": self.max_ongoing_requests(),
             "max_queued_requests": self.max_queued_requests,
             "health_check_period_s": 5.0,
@@ -143,7 +148,7 @@ class AppConfig(BaseModel):
         one ingress replica per `ingress_streams` of the model replicas' slots."""
         options: dict[str, Any] = {
             "max_ongoing_requests": self.ingress_max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_ENV_VARS)}},
+            "ray_actor_options": {"num_cpus": 0, "runtime_env": _runtime_env()},
         }
         if self.ingress_replicas is not None:
             options["num_replicas"] = self.ingress_replicas
