@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ from .engine import (
     UnknownInitState,
     Usage,
 )
+from .engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess
 from .init_states import InitState, state_from_bytes
-from .model.loader import open_model
+from .model.loader import open_model, open_tokenizer
 from .sampling import InvalidRequest, TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -59,13 +61,8 @@ log = logging.getLogger("ray.serve.rwkv_fleet.replica")
 
 HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
 
-# On a GPU the engine thread shares the replica process's GIL with Serve's event loop and Ray's
-# threads, which stream the chunks out. It lets the GIL go at every wait on the GPU and, while
-# another thread runs Python, takes it back only at that thread's next switch (5 ms by default,
-# several times a step). At 0.5 ms: 1.5B on an H200, 256 requests streaming over HTTP, 10,906 ->
-# 13,416 generated tokens/s in one run (docs/serving.md, "Streaming over HTTP"). On the CPU it
-# gained nothing measurable, so a CPU replica keeps Python's default.
-GIL_SWITCH_INTERVAL_S = 0.0005
+# "0": the engine runs in the replica's process, as before 12-04 (for A/B runs: docs/serving.md)
+ENGINE_PROCESS = os.environ.get("RWKV_FLEET_ENGINE_PROCESS", "1") != "0"
 
 
 class ReplicaConfig(BaseModel):
@@ -129,13 +126,18 @@ class Replica:
     async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
         self.config = config
         self.replica_id, app_name = _replica_identity()
-        runner, self.tokenizer, self.card = await asyncio.to_thread(
-            open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
-        if runner.device.type == "cuda":
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
-        await asyncio.to_thread(runner.warm_up, log.info)  # no request waits for a compile
-        self.model_config = runner.config
-        self.engine = Engine(runner, self.tokenizer, config.engine).start()
+        if ENGINE_PROCESS:  # the engine in a process of its own (engine_process.py says why)
+            self.engine, self.model_config, self.card = await asyncio.to_thread(
+                EngineProcess.open, config.model_dir, config.device, config.engine, log.info)
+            self.tokenizer = open_tokenizer(config.model_dir, self.card)
+        else:
+            runner, self.tokenizer, self.card = await asyncio.to_thread(
+                open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
+            if runner.device.type == "cuda":
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
+            await asyncio.to_thread(runner.warm_up, log.info)  # no request waits for a compile
+            self.model_config = runner.config
+            self.engine = Engine(runner, self.tokenizer, config.engine).start()
         self.registry = connect_registry(app_name) if connect_registry else None
         self.catalog_version: int | None = None
         self.load_errors = 0

@@ -36,7 +36,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, Field
@@ -138,11 +138,13 @@ class RequestStream:
 
     Iterate it until `Finished`; `cancel()` (or leaving `Engine.generate`) ends the row.
     Cancelling a pending `__anext__` (a timeout around it) loses no event: events wait in a deque,
-    and only the wake-up is lost.
+    and only the wake-up is lost. `engine` is whatever ends the row on `cancel(uid)`: the Engine,
+    or the replica's handle on an engine in another process (engine_process.py).
     """
 
-    def __init__(self, engine: Engine, uid: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: Any, uid: int, loop: asyncio.AbstractEventLoop):
         self.uid = uid
+        self.outlet = LoopOutlet(loop)
         self._engine = engine
         self._loop = loop
         self._events: deque[Event] = deque()  # delivered, not yet taken (event loop thread only)
@@ -168,11 +170,7 @@ class RequestStream:
     def cancel(self) -> None:
         if not self._done:
             self._done = True
-            self._engine._send(("cancel", self.uid))
-
-    def _deliver(self, event: Event) -> None:
-        """Engine thread: queues an event; the engine hands a step's events over in one go."""
-        self._engine._outbox.setdefault(self._loop, []).append((self, event))
+            self._engine.cancel(self.uid)
 
     def _put(self, event: Event) -> None:
         """Event loop thread: takes a delivered event and wakes the waiting `__anext__`."""
@@ -181,13 +179,38 @@ class RequestStream:
             self._waiter.set_result(None)
 
 
+class Stream(Protocol):
+    """Where the engine sends a request's events: a RequestStream, or (in an engine process) the
+    request's uid in the replica's process. A step's events go out per outlet in one call."""
+
+    uid: int
+    outlet: Outlet
+
+
+class Outlet(Protocol):
+    def send(self, items: list[tuple[Stream, Event]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopOutlet:
+    """Events for the RequestStreams of one event loop: one wake-up per hand-over, not per token."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def send(self, items: list[tuple[Stream, Event]]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(put_all, items)
+        except RuntimeError:  # that event loop is closed: its callers are gone
+            pass
+
+
 @dataclass
 class _Row:
     """One request from submit to finish: the engine thread's record of it."""
 
     uid: int
     request: Request
-    stream: RequestStream
+    stream: Stream
     init: InitState | None
     output: OutputStream
     rng: random.Random
@@ -232,7 +255,7 @@ class Engine:
         # on the CPU a call computes before it returns, so a step's events go at its end
         self._calls_queue = runner.device.type == "cuda"
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        self._outbox: dict[Outlet, list[tuple[Stream, Event]]] = {}
         # submitted and not yet ended (guarded by _lock): counted from submit, on the caller's
         # thread, so that a burst is bounded before the engine thread has admitted any of it
         self._in_flight = 0
@@ -262,19 +285,27 @@ class Engine:
 
     def submit(self, request: Request) -> RequestStream:
         """Queues a request; raises InvalidRequest, PromptTooLong, UnknownInitState or EngineBusy."""
-        self._validate(request)
+        stream = RequestStream(self, next(self._uids), asyncio.get_running_loop())
+        self.enqueue(request, stream)
+        return stream
+
+    def enqueue(self, request: Request, stream: Stream) -> None:
+        """Queues a request whose events go to `stream` (its uid new to this engine); raises as
+        `submit` does."""
+        validate_request(request, self.config, self.runner.vocab_size)
         init = self.resolve_init_state(request.init_state)
         with self._lock:
             if self._in_flight >= self.config.max_slots + self.config.max_waiting:
                 self.stats["busy_refusals"] += 1
                 raise EngineBusy()
             self._in_flight += 1
-        uid = next(self._uids)
-        stream = RequestStream(self, uid, asyncio.get_running_loop())
         p = request.params
-        row = _Row(uid, request, stream, init, OutputStream(self.tokenizer, p), random.Random(p.seed))
+        row = _Row(stream.uid, request, stream, init, OutputStream(self.tokenizer, p), random.Random(p.seed))
         self._send(("submit", row))
-        return stream
+
+    def cancel(self, uid: int) -> None:
+        """Ends the request's row (a no-op once it has ended)."""
+        self._send(("cancel", uid))
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Submits and yields the request's events; leaving early cancels the row."""
@@ -296,15 +327,7 @@ class Engine:
         self.call(lambda: None, timeout)
 
     def resolve_init_state(self, name: str | None) -> InitState | None:
-        states = self.init_states
-        if name is None:
-            return next((s for s in states.values() if s.default), None)
-        if name in states:
-            return states[name]
-        by_name = [s for s in states.values() if s.name == name]
-        if not by_name:
-            raise UnknownInitState(name)
-        return by_name[0]
+        return resolve_init_state(self.init_states, name)
 
     def load_init_state(self, init: InitState) -> None:
         """Holds the state on the runner's device: a request that names it starts from a copy made
@@ -327,17 +350,6 @@ class Engine:
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
 
-    def _validate(self, request: Request) -> None:
-        prompt = request.prompt
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        if len(prompt) > self.config.max_prompt_tokens:
-            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the limit is {self.config.max_prompt_tokens}")
-        vocab = self.runner.vocab_size
-        if any(not (isinstance(t, int) and 0 <= t < vocab) for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        request.params.validate(vocab)
-
     # -- engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -356,13 +368,13 @@ class Engine:
         self._hand_over()
 
     def _hand_over(self) -> None:
-        """Delivers the events made so far: one wake-up per caller event loop, not one per token."""
+        """Delivers the events made so far: one message per outlet, not one per token."""
         outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: its callers are gone
-                pass
+        for outlet, items in outbox.items():
+            outlet.send(items)
+
+    def _deliver(self, row: _Row, event: Event) -> None:
+        self._outbox.setdefault(row.stream.outlet, []).append((row.stream, event))
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -413,7 +425,7 @@ class Engine:
             self.sampler.reset(choice.slot)
             row.slot, row.admitted_at = choice.slot, self._steps
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
-            row.stream._deliver(Started(row.prompt_len, row.cached_tokens))
+            self._deliver(row, Started(row.prompt_len, row.cached_tokens))
 
     def _back_up(self, slot: int, namespace: str, tokens: tuple[int, ...]) -> None:
         """An idle slot is about to be reused: keep its state in the cache unless it is there."""
@@ -544,7 +556,7 @@ class Engine:
             if row.uid not in self._rows:
                 continue  # its decode call failed, and ended it
             step = row.output.push(token)
-            row.stream._deliver(Delta(step.text, (token,), None if logprob is None else (logprob,)))
+            self._deliver(row, Delta(step.text, (token,), None if logprob is None else (logprob,)))
             if step.finish:
                 self._finish(row, step.finish)
 
@@ -577,11 +589,11 @@ class Engine:
         if reason in ("length", "cancelled"):
             tail = row.output.release()
             if tail and reason == "length":
-                row.stream._deliver(Delta(tail, ()))
+                self._deliver(row, Delta(tail, ()))
         completion = row.output.count
         usage = Usage(row.prompt_len, completion, row.cached_tokens)
         self.stats[f"finished_{reason}"] += 1
-        row.stream._deliver(Finished(reason, usage, error))
+        self._deliver(row, Finished(reason, usage, error))
 
     def _reset_quietly(self, slot: int) -> None:
         try:
@@ -673,7 +685,32 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def _put_all(items: list[tuple[RequestStream, Event]]) -> None:
+def resolve_init_state(states: dict[str, InitState], name: str | None) -> InitState | None:
+    """The init state a request names (by id or name; None: the default one, if any)."""
+    if name is None:
+        return next((s for s in states.values() if s.default), None)
+    if name in states:
+        return states[name]
+    by_name = [s for s in states.values() if s.name == name]
+    if not by_name:
+        raise UnknownInitState(name)
+    return by_name[0]
+
+
+def validate_request(request: Request, config: EngineConfig, vocab_size: int) -> None:
+    """Raises InvalidRequest (or PromptTooLong) for a request no engine of this config could run."""
+    prompt = request.prompt
+    if not prompt:
+        raise InvalidRequest("the prompt is empty")
+    if len(prompt) > config.max_prompt_tokens:
+        raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the limit is {config.max_prompt_tokens}")
+    if any(not (isinstance(t, int) and 0 <= t < vocab_size) for t in prompt):
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+    request.params.validate(vocab_size)
+
+
+def put_all(items: list[tuple[RequestStream, Event]]) -> None:
+    """Event loop thread: hands delivered events to their RequestStreams."""
     for stream, event in items:
         stream._put(event)
 

@@ -33,6 +33,15 @@ def pick_device(name: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def open_tokenizer(directory: Path | None, card: ModelCard) -> Tokenizer:
+    """The model's tokenizer, with the card's end-of-text token where the tokenizer names none."""
+    directory = Path(directory) if directory else default_model_dir()
+    tokenizer = load_tokenizer(directory / card.tokenizer)
+    if card.eos_token_id is not None and tokenizer.eos_token_id is None:
+        tokenizer.eos_token_id = card.eos_token_id
+    return tokenizer
+
+
 def open_model(
     directory: Path | None, max_slots: int, device: str | None = None, progress: Progress = _quiet
 ) -> tuple[ModelRunner | CudaRunnerType, Tokenizer, ModelCard]:
@@ -40,9 +49,7 @@ def open_model(
     where = pick_device(device)
     dtype = torch.float32 if where.type == "cpu" else torch.float16
     model, card = load_model(directory, where, dtype, progress)
-    tokenizer = load_tokenizer(directory / card.tokenizer)
-    if card.eos_token_id is not None and tokenizer.eos_token_id is None:
-        tokenizer.eos_token_id = card.eos_token_id
+    tokenizer = open_tokenizer(directory, card)
     if where.type == "cuda":  # CUDA graphs and Triton kernels (cuda_runner.py); Triton ships with CUDA torch
         from .cuda_runner import CudaRunner  # noqa: PLC0415 - imports Triton only where it is used
 

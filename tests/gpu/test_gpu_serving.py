@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from replicas.engine import Delta, Engine, EngineConfig, Request
+from replicas.engine_process import EngineProcess
 from replicas.model.loader import default_model_dir, open_model
 from replicas.sampling import SamplingParams
 from tests.prompts import PYTHON_PROMPTS
@@ -61,16 +62,23 @@ def test_greedy_text_matches_the_cpu_path_batched(model_dir, cpu_greedy):
         assert ours == theirs, f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(theirs)!r}"
 
 
-def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy):
+@pytest.mark.parametrize("where", ["this process", "a process of its own"])
+def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, where):
+    """The engine as a replica runs it (replicas/engine_process.py), and in this process."""
     tokenizer, expected = cpu_greedy
-    runner, _, _ = open_model(model_dir, max_slots=4, device="cuda")
-    engine = Engine(runner, tokenizer, EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40)).start()
+    config = EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40)
+    if where == "this process":
+        runner, _, _ = open_model(model_dir, max_slots=4, device="cuda")
+        engine = Engine(runner, tokenizer, config).start()
+    else:
+        engine, _, _ = EngineProcess.open(model_dir, "cuda", config)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def one(prompt, delay):
         await asyncio.sleep(delay)
         tokens = []
-        async for event in engine.generate(Request(tokenizer.encode(prompt), params)):
+        stream = engine.submit(Request(tokenizer.encode(prompt), params))
+        async for event in stream:
             if isinstance(event, Delta):
                 tokens += event.token_ids
         return tokens
