@@ -281,33 +281,31 @@ async def coalesce(events: RequestStream, interval: Callable[[], float], max_tok
     `max_tokens` tokens, or `interval()` seconds after their first event (read as a group opens).
     `Started` carries nothing to send and is skipped.
 
-    Waiting on `events` is cancelled at a deadline, so `events` must survive a cancelled
-    `__anext__` (a RequestStream does: it waits on a queue; an async generator would be closed).
+    The stream is read in batches (`RequestStream.take`): this task wakes when a group opens and
+    when it closes, not at each of its tokens (at 256 streams, thousands a second in all).
     """
     loop = asyncio.get_running_loop()
     group: list[Event] = []
     tokens, deadline, texted = 0, None, False
     while True:
-        try:
-            async with asyncio.timeout_at(deadline):
-                event = await anext(events)
-        except TimeoutError:
-            yield group
-            group, tokens, deadline = [], 0, None
-            continue
-        except StopAsyncIteration:
+        batch = await events.take(max_tokens - tokens if texted and group else 1, deadline)
+        if batch is None:
             break
-        if isinstance(event, Started):
-            continue
-        group.append(event)
-        tokens += len(event.token_ids) if isinstance(event, Delta) else 0
-        first = not texted and isinstance(event, Delta) and bool(event.text or event.logprobs)
-        texted = texted or first
-        if isinstance(event, Finished) or tokens >= max_tokens or first:
+        for event in batch:
+            if isinstance(event, Started):
+                continue
+            group.append(event)
+            tokens += len(event.token_ids) if isinstance(event, Delta) else 0
+            first = not texted and isinstance(event, Delta) and bool(event.text or event.logprobs)
+            texted = texted or first
+            if isinstance(event, Finished) or tokens >= max_tokens or first:
+                yield group
+                group, tokens, deadline = [], 0, None
+            elif deadline is None:
+                deadline = loop.time() + interval()
+        if group and loop.time() >= deadline:
             yield group
             group, tokens, deadline = [], 0, None
-        elif deadline is None:
-            deadline = loop.time() + interval()
     if group:
         yield group
 

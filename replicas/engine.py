@@ -136,10 +136,11 @@ Event = Started | Delta | Finished
 class RequestStream:
     """One request's events, for the asyncio caller that submitted it.
 
-    Iterate it until `Finished`; `cancel()` (or leaving `Engine.generate`) ends the row.
-    Cancelling a pending `__anext__` (a timeout around it) loses no event: events wait in a deque,
-    and only the wake-up is lost. `engine` is whatever ends the row on `cancel(uid)`: the Engine,
-    or the replica's handle on an engine in another process (engine_process.py).
+    Iterate it until `Finished`, or `take` its events in batches; `cancel()` (or leaving
+    `Engine.generate`) ends the row. Cancelling a pending `__anext__` or `take` (a timeout around
+    it) loses no event: events wait in a deque, and only the wake-up is lost. `engine` is whatever
+    ends the row on `cancel(uid)`: the Engine, or the replica's handle on an engine in another
+    process (engine_process.py).
     """
 
     def __init__(self, engine: Any, uid: int, loop: asyncio.AbstractEventLoop):
@@ -148,7 +149,9 @@ class RequestStream:
         self._engine = engine
         self._loop = loop
         self._events: deque[Event] = deque()  # delivered, not yet taken (event loop thread only)
-        self._waiter: asyncio.Future | None = None  # set while __anext__ waits for an event
+        self._tokens = 0  # the tokens of the Deltas in _events
+        self._want: int | None = None  # while `take` waits: the tokens that wake it; None: any event
+        self._waiter: asyncio.Future | None = None  # set while a reader waits
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -158,25 +161,52 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         while not self._events:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait(None, None)
         event = self._events.popleft()
+        self._tokens -= len(event.token_ids) if isinstance(event, Delta) else 0
         self._done = isinstance(event, Finished)
         return event
+
+    async def take(self, tokens: int, deadline: float | None) -> list[Event] | None:
+        """The events delivered and not yet taken, once they hold `tokens` tokens or the Finished,
+        or at `deadline` (the loop's time; None: no deadline) what there is; None once Finished has
+        been taken. Its task wakes then, not at every event as `__anext__`'s does."""
+        if self._done:
+            return None
+        if not self._ready(tokens):
+            try:
+                await self._wait(tokens, deadline)
+            except TimeoutError:
+                pass
+        events = list(self._events)
+        self._events.clear()
+        self._tokens = 0
+        self._done = bool(events) and isinstance(events[-1], Finished)
+        return events
 
     def cancel(self) -> None:
         if not self._done:
             self._done = True
             self._engine.cancel(self.uid)
 
+    async def _wait(self, tokens: int | None, deadline: float | None) -> None:
+        self._want, self._waiter = tokens, self._loop.create_future()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._waiter
+        finally:
+            self._want, self._waiter = None, None
+
+    def _ready(self, tokens: int) -> bool:
+        return self._tokens >= tokens or (bool(self._events) and isinstance(self._events[-1], Finished))
+
     def _put(self, event: Event) -> None:
-        """Event loop thread: takes a delivered event and wakes the waiting `__anext__`."""
+        """Event loop thread: takes a delivered event and wakes the reader if it waits for it."""
         self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._tokens += len(event.token_ids) if isinstance(event, Delta) else 0
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (self._want is None or self._ready(self._want)):
+            waiter.set_result(None)
 
 
 class Stream(Protocol):

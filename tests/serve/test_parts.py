@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from replicas.deployment import GIL_SWITCH_INTERVAL_S, Chunk, Replica, ReplicaConfig, coalesce
-from replicas.engine import Delta, Finished, Request, Started, Usage
+from replicas.engine import Delta, Finished, Request, RequestStream, Started, Usage, put_all
 from replicas.sampling import SamplingParams
 from serve_app.chat import LeadingSpace
 from serve_app.metrics import prometheus_text, stats_view, sum_stats
@@ -20,31 +20,41 @@ from serve_app.responses import Outcome, usage_of
 from .conftest import write_random_model
 
 
-class FakeStream:
-    """A RequestStream stand-in: events put on a queue by the test, with delays."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.done:
-            raise StopAsyncIteration
-        event = await self.queue.get()
-        self.done = isinstance(event, Finished)
-        return event
-
-
 def delta(text: str = "x") -> Delta:
     return Delta(text, (1,))
 
 
+def test_a_stream_taken_in_batches_wakes_its_reader_at_enough_tokens_the_end_or_the_deadline():
+    async def run():
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(None, 1, loop)
+        put_all([(stream, Started(3, 0)), (stream, delta("a"))])
+        taking = asyncio.create_task(stream.take(3, None))
+        await asyncio.sleep(0.02)
+        put_all([(stream, delta("b"))])
+        await asyncio.sleep(0.02)
+        assert not taking.done()  # two tokens of three
+        put_all([(stream, Delta("cd", (1, 2)))])
+        assert [type(e).__name__ for e in await taking] == ["Started", "Delta", "Delta", "Delta"]
+
+        put_all([(stream, delta("e"))])
+        started = loop.time()
+        assert [e.text for e in await stream.take(5, started + 0.05)] == ["e"]  # at the deadline
+        assert loop.time() - started >= 0.04
+
+        with pytest.raises(TimeoutError):  # a reader cancelled while waiting loses no event
+            async with asyncio.timeout(0.02):
+                await stream.take(5, None)
+        put_all([(stream, delta("f")), (stream, Finished("stop", Usage(3, 6, 0)))])
+        assert [type(e).__name__ for e in await stream.take(64, None)] == ["Delta", "Finished"]
+        assert await stream.take(1, None) is None
+
+    asyncio.run(run())
+
+
 def test_coalesce_sends_the_first_token_at_once_then_bounds_groups_by_size_and_by_time():
     async def run():
-        stream = FakeStream()
+        stream = RequestStream(None, 1, asyncio.get_running_loop())
         groups = []
         interval = 0.05
 
@@ -52,25 +62,31 @@ def test_coalesce_sends_the_first_token_at_once_then_bounds_groups_by_size_and_b
             async for group in coalesce(stream, lambda: interval, max_tokens=4):
                 groups.append([type(e).__name__ + (e.text if isinstance(e, Delta) else "") for e in group])
 
+        def put(*events):
+            put_all([(stream, e) for e in events])
+
         task = asyncio.create_task(consume())
-        stream.queue.put_nowait(Started(3, 0))
-        for text in ("", "a", "b", "c", "d", "e", "f", "g"):  # a burst: "" is no text yet (a partial character)
-            stream.queue.put_nowait(delta(text))
+        await asyncio.sleep(0)
+        # a burst in one hand-over: "" is no text yet (a partial character)
+        put(Started(3, 0), *(delta(text) for text in ("", "a", "b", "c", "d", "e", "f", "g")))
         await asyncio.sleep(0.2)  # the leftover go out by the deadline, not with the next token
         assert groups == [["Delta", "Deltaa"], ["Deltab", "Deltac", "Deltad", "Deltae"], ["Deltaf", "Deltag"]]
         interval = 0.4  # read as a group opens: the replica lengthens it when many requests stream
-        stream.queue.put_nowait(delta("h"))
+        put(delta("h"))
         await asyncio.sleep(0.2)
         assert len(groups) == 3
         await asyncio.sleep(0.4)
         assert groups[-1] == ["Deltah"]
-        stream.queue.put_nowait(delta("i"))
-        stream.queue.put_nowait(Finished("length", Usage(3, 9, 0)))
+        for text in "ijklm":  # one token a hand-over: a group still closes at max_tokens
+            put(delta(text))
+            await asyncio.sleep(0.01)
+        assert groups[-1] == ["Deltai", "Deltaj", "Deltak", "Deltal"]
+        put(Finished("length", Usage(3, 14, 0)))
         await task
         return groups
 
     groups = asyncio.run(run())
-    assert groups[-1] == ["Deltai", "Finished"]
+    assert groups[-1] == ["Deltam", "Finished"]
 
 
 @pytest.fixture(scope="module")
