@@ -36,7 +36,6 @@ import gc
 import json
 import math
 import multiprocessing
-import os
 import random
 import statistics
 import sys
@@ -211,8 +210,6 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=0, help="HTTP client processes (default: one per 64 streams)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http-only", action="store_true", help="skip the engine alone")
-    parser.add_argument("--engine-in-replica", action="store_true",
-                        help="also over HTTP with the engine in the replica's process (RWKV_FLEET_ENGINE_PROCESS=0)")
     args = parser.parse_args()
 
     gpu = torch.cuda.is_available()
@@ -248,12 +245,26 @@ def main() -> None:
     if gpu:
         torch.cuda.empty_cache()  # the replica takes the GPU next
 
-    sides = [("http", "over HTTP", "1")]
-    if args.engine_in_replica:
-        sides.append(("http_in", "over HTTP, the engine in the replica's process", "0"))
-    for side, label, engine_process in sides:
-        os.environ["RWKV_FLEET_ENGINE_PROCESS"] = engine_process  # the replicas' (Ray starts with it)
-        http_rounds(config, levels, args, vocab, side, label, rows)
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from serve_app.app import APP_NAME, build_app  # noqa: PLC0415
+
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        say(f"over HTTP: deploying the application (one replica, which loads and warms up the model; "
+            f"{config.ingress_options()['num_replicas']} ingress replica(s))")
+        started = time.monotonic()
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        say(f"  ready in {time.monotonic() - started:.0f} s")
+        for n in levels:
+            say(f"over HTTP, {n} in flight")
+            rows[n]["http"] = http_side(f"http://127.0.0.1:{port}", n, args, vocab)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
     print(f"{card.name} on {where}, {time.strftime('%Y-%m-%d')}: requests always in flight, prompts of "
           f"{args.prompt_tokens // 2}-{args.prompt_tokens * 3 // 2} tokens, "
@@ -264,7 +275,7 @@ def main() -> None:
           "requests sent in the window |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in levels:
-        for side, label in (("engine", "engine alone"), *((side, label) for side, label, _ in sides)):
+        for side, label in (("engine", "engine alone"), ("http", "over HTTP")):
             if side not in rows[n]:
                 continue
             r = rows[n][side]
@@ -273,34 +284,6 @@ def main() -> None:
     if not args.http_only:
         print("\nOver HTTP / engine alone, generated tokens/s: " + ", ".join(
             f"{rows[n]['http']['generated'] / rows[n]['engine']['generated']:.2f} at {n}" for n in levels))
-    if args.engine_in_replica:
-        print("Engine in a process of its own / in the replica's, over HTTP, generated tokens/s: " + ", ".join(
-            f"{rows[n]['http']['generated'] / rows[n]['http_in']['generated']:.2f} at {n}" for n in levels))
-
-
-def http_rounds(config: AppConfig, levels: list[int], args, vocab: int, side: str, label: str,
-                rows: dict[int, dict]) -> None:
-    """The application on a Ray of its own (its replicas start with this process's environment)."""
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
-
-    from serve_app.app import APP_NAME, build_app  # noqa: PLC0415
-
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        say(f"{label}: deploying the application (one replica, which loads and warms up the model; "
-            f"{config.ingress_options()['num_replicas']} ingress replica(s))")
-        started = time.monotonic()
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        say(f"  ready in {time.monotonic() - started:.0f} s")
-        for n in levels:
-            say(f"{label}, {n} in flight")
-            rows[n][side] = http_side(f"http://127.0.0.1:{port}", n, args, vocab)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The replica: one engine beside one GPU, as a Ray Serve deployment.
 
-Owns the engine's lifecycle (open the model, start, health, stop), following the registry's
+Owns the engine's lifecycle (its process: open the model, start, health, stop), following the registry's
 init-state catalog (all of it at start, then every change), pushing the engine's metrics to the
 registry every `metrics_interval_s` (never per request), and streaming each request's output to
 the ingress in coalesced chunks. Never touches HTTP or prompt text: token ids come in, text goes
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,6 @@ from pydantic import BaseModel
 
 from .engine import (
     Delta,
-    Engine,
     EngineBusy,
     EngineConfig,
     Event,
@@ -49,9 +46,9 @@ from .engine import (
     UnknownInitState,
     Usage,
 )
-from .engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess
+from .engine_process import EngineProcess
 from .init_states import InitState, state_from_bytes
-from .model.loader import open_model, open_tokenizer
+from .model.loader import open_tokenizer
 from .sampling import InvalidRequest, TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -60,9 +57,6 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("ray.serve.rwkv_fleet.replica")
 
 HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
-
-# "0": the engine runs in the replica's process, as before 12-04 (for A/B runs: docs/serving.md)
-ENGINE_PROCESS = os.environ.get("RWKV_FLEET_ENGINE_PROCESS", "1") != "0"
 
 
 class ReplicaConfig(BaseModel):
@@ -126,18 +120,11 @@ class Replica:
     async def __init__(self, config: ReplicaConfig, connect_registry: Callable[[str], Any] | None = None):
         self.config = config
         self.replica_id, app_name = _replica_identity()
-        if ENGINE_PROCESS:  # the engine in a process of its own (engine_process.py says why)
-            self.engine, self.model_config, self.card = await asyncio.to_thread(
-                EngineProcess.open, config.model_dir, config.device, config.engine, log.info)
-            self.tokenizer = open_tokenizer(config.model_dir, self.card)
-        else:
-            runner, self.tokenizer, self.card = await asyncio.to_thread(
-                open_model, config.model_dir, config.engine.max_slots, config.device, log.info)
-            if runner.device.type == "cuda":
-                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is the replica's own
-            await asyncio.to_thread(runner.warm_up, log.info)  # no request waits for a compile
-            self.model_config = runner.config
-            self.engine = Engine(runner, self.tokenizer, config.engine).start()
+        # The engine runs in a process of its own (engine_process.py says why); it loads the model
+        # and warms up there, and its progress comes here through `log`.
+        self.engine, self.model_config, self.card = await asyncio.to_thread(
+            EngineProcess.open, config.model_dir, config.device, config.engine, log.info)
+        self.tokenizer = open_tokenizer(config.model_dir, self.card)
         self.registry = connect_registry(app_name) if connect_registry else None
         self.catalog_version: int | None = None
         self.load_errors = 0

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from replicas.deployment import GIL_SWITCH_INTERVAL_S, Chunk, Replica, ReplicaConfig, coalesce
+from replicas.deployment import Chunk, Replica, ReplicaConfig, coalesce
 from replicas.engine import Delta, Finished, Request, RequestStream, Started, Usage, put_all
+from replicas.engine_process import GIL_SWITCH_INTERVAL_S
 from replicas.sampling import SamplingParams
 from serve_app.chat import LeadingSpace
 from serve_app.metrics import prometheus_text, stats_view, sum_stats
