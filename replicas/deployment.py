@@ -46,7 +46,7 @@ from .engine import (
     UnknownInitState,
     Usage,
 )
-from .engine_process import EngineProcess
+from .engine_process import EngineProcess, EngineUnavailable
 from .init_states import InitState, state_from_bytes
 from .model.loader import open_tokenizer
 from .sampling import InvalidRequest, TokenLogprob
@@ -139,7 +139,7 @@ class Replica:
     async def generate(self, request: Request) -> AsyncIterator[Chunk]:
         try:
             stream = await self._submit(request)
-        except (InvalidRequest, UnknownInitState, EngineBusy) as err:
+        except (InvalidRequest, UnknownInitState, EngineBusy, EngineUnavailable) as err:
             yield Chunk(error=_refusal(err))
             return
         self._streams += 1
@@ -309,6 +309,8 @@ def token_text(tokenizer: Tokenizer, token_id: int, logprob: float) -> TokenText
 def _refusal(err: Exception) -> ReplicaError:
     if isinstance(err, EngineBusy):
         return ReplicaError(503, str(err), "overloaded", err.retry_after)
+    if isinstance(err, EngineUnavailable):
+        return ReplicaError(503, str(err), "engine_unavailable", err.retry_after)
     if isinstance(err, PromptTooLong):
         return ReplicaError(413, str(err), "context_length_exceeded")
     if isinstance(err, UnknownInitState):

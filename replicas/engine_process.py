@@ -65,6 +65,15 @@ log = logging.getLogger("ray.serve.rwkv_fleet.engine")  # a child of Serve's: th
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine's process has ended: the replica serves nothing until Serve replaces it, which
+    its failing health check brings about (HTTP 503 with Retry-After meanwhile)."""
+
+    def __init__(self, retry_after: float = 1.0):
+        super().__init__("this replica's engine has stopped; it is being replaced: try again")
+        self.retry_after = retry_after
+
+
 class EngineProcess:
     """The replica's handle on an engine in a child process."""
 
@@ -106,6 +115,7 @@ class EngineProcess:
         self._cids = itertools.count(1)
         self._busy_refusals = 0
         self._ended = False
+        self._stopping = False  # stop() was called: the process's end is no failure
         self._reader = threading.Thread(target=self._read, name="rwkv-engine-events", daemon=True)
         self._reader.start()
 
@@ -113,7 +123,8 @@ class EngineProcess:
 
     def submit(self, request: Request) -> RequestStream:
         """Queues a request; raises InvalidRequest, PromptTooLong, UnknownInitState or EngineBusy,
-        as Engine.submit does (the engine's init states as this side last heard them)."""
+        as Engine.submit does (the engine's init states as this side last heard them), or
+        EngineUnavailable once the engine's process has ended."""
         validate_request(request, self.config, self.vocab_size)
         init = resolve_init_state(self.init_states, request.init_state)
         loop = asyncio.get_running_loop()
@@ -157,6 +168,7 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Ends the engine (its rows are cancelled) and its process."""
+        self._stopping = True
         if self._process.poll() is None:
             try:
                 self._send(("stop",))
@@ -184,7 +196,7 @@ class EngineProcess:
 
     def _check_running(self) -> None:
         if self._ended:
-            raise RuntimeError("the engine process has ended (see the replica's log)")
+            raise EngineUnavailable()
 
     def _read(self) -> None:
         """The events thread: hands each message's events to their streams' event loops."""
@@ -224,13 +236,13 @@ class EngineProcess:
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
         code = self._process.wait()
-        if streams:
+        if not self._stopping:
             log.error("the engine process ended (exit status %s) with %d requests in flight", code, len(streams))
         error = "the engine process ended"
         _to_loops([(s, Finished("error", Usage(n, 0, 0), error)) for s, n in streams.values()])
         for future in calls.values():
             if not future.done():
-                future.set_exception(RuntimeError(error))
+                future.set_exception(EngineUnavailable())
 
 
 def _to_loops(items: list[tuple[RequestStream, Event]]) -> None:

@@ -1,10 +1,13 @@
 """Metrics that add up across replicas; overload answered with 503s and nothing lost; a client
-that disconnects mid-stream frees its slot."""
+that disconnects mid-stream frees its slot; a replica whose engine's process dies is replaced."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -85,7 +88,7 @@ def test_overload_gets_503_and_loses_nothing(client, base_url):
 
     results = asyncio.run(flood())
     statuses = [status for status, _, _ in results]
-    assert set(statuses) <= {200, 503}, statuses
+    assert set(statuses) == {200, 503}, statuses  # the other replica served on; this one refused
     assert all(done for status, _, done in results if status == 200)
     assert all(retry and int(retry) >= 1 for status, retry, _ in results if status == 503)
     assert statuses.count(200) >= REPLICAS * SLOTS and statuses.count(503) > 0
@@ -116,3 +119,46 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(client, base_
             impatient.post("/v1/completions", json=body)  # the client closes the connection at the timeout
     wait_for(lambda: idle(client), timeout=20, what="the slot freed after the client gave up")
     assert stats(client)["total"]["counters"].get("finished_cancelled", 0) == cancelled_before + 1
+
+
+def engine_processes() -> list[int]:
+    """The pids of this application's replicas' engine processes (replicas/engine_process.py)."""
+    from serve_app.app import APP_NAME
+
+    def cmdline(pid: int | str) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and "replicas.engine_process" in cmdline(entry.name):
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_a_replica_whose_engine_process_dies_answers_503_until_serve_replaces_it(client):
+    wait_for(lambda: idle(client), what="idle replicas")
+    old = set(stats(client)["replicas"])
+    engines = engine_processes()
+    assert len(engines) == REPLICAS
+    os.kill(engines[0], signal.SIGKILL)
+    statuses = []
+
+    def replaced() -> bool:
+        body = {"prompt": f"request {len(statuses)}", "max_tokens": 4}  # prompts of their own: either replica
+        response = client.post("/v1/completions", json=body)
+        statuses.append(response.status_code)
+        if response.status_code == 503:
+            assert response.json()["error"]["code"] == "engine_unavailable" and response.headers["retry-after"]
+        fresh = set(stats(client)["replicas"]) - old
+        return bool(fresh) and len(engine_processes()) == REPLICAS
+
+    wait_for(replaced, timeout=90, interval=0.3, what="a replacement replica")  # its health check fails
+    assert set(statuses) == {200, 503}, statuses  # the other replica served on; this one refused
+    wait_for(lambda: len(stats(client)["replicas"]) == REPLICAS, timeout=30, what="the old replica forgotten")
+    for i in range(2 * REPLICAS):
+        assert client.post("/v1/completions", json={"prompt": f"after {i}", "max_tokens": 4}).status_code == 200

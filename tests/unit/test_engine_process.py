@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from replicas.engine import Delta, Engine, EngineBusy, EngineConfig, Finished, Request, UnknownInitState
-from replicas.engine_process import EngineProcess
+from replicas.engine_process import EngineProcess, EngineUnavailable
 from replicas.init_states import InitState, InitStateError
 from replicas.model.config import ModelFormatError
 from replicas.model.loader import open_model
@@ -145,8 +145,14 @@ def test_when_the_engine_process_dies_its_requests_end_with_an_error(demo_model_
         _, rest = asyncio.run(killed())
         assert isinstance(rest[-1], Finished) and rest[-1].reason == "error"
         assert "engine process ended" in rest[-1].error and rest[-1].usage.prompt_tokens == 2
-        with pytest.raises(RuntimeError, match="ended"):
+        with pytest.raises(EngineUnavailable):
             engine.ping(1.0)
+
+        async def after() -> None:
+            engine.submit(Request([1, 2]))
+
+        with pytest.raises(EngineUnavailable):  # the replica answers 503 until Serve replaces it
+            asyncio.run(after())
     finally:
         engine.stop()
 
