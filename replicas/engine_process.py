@@ -1,9 +1,9 @@
 """The engine in a process of its own, beside the replica's.
 
-In the replica's process the engine thread shares one GIL with Serve's event loop and Ray's
-threads, which stream every chunk out; on a GPU, each time the device answers it waited for the
-GIL, and its steps took about twice as long over HTTP as alone (docs/serving.md, "Streaming over
-HTTP"). Here the replica starts `python -m replicas.engine_process` (a fresh interpreter: CUDA
+In the replica's process (until 12-04) the engine thread shared one GIL with Serve's event loop
+and Ray's threads, which stream every chunk out; on a GPU, each time the device answered it waited
+for the GIL, and its steps took about twice as long over HTTP as alone (docs/serving.md,
+"Streaming over HTTP"). Here the replica starts `python -m replicas.engine_process` (a fresh interpreter: CUDA
 cannot be forked, and multiprocessing's spawn would re-import the Ray worker's main module), which
 opens the model and runs the Engine; the two talk over a socket pair, one pickled message each way
 per hand-over:
@@ -19,7 +19,8 @@ per hand-over:
 init states, stats, ping, stop), so a request's stream is the same RequestStream. It checks a
 request and refuses one when busy before anything crosses, as Engine.submit does. The engine's
 side ends when its socket closes (the replica's process is gone: Ray kills it without asking) or
-on "stop"; when it ends, every request in flight gets Finished("error") and the health check fails.
+on "stop"; when it ends, every request in flight gets Finished("error"), new ones and calls
+EngineUnavailable (HTTP 503), and the health check fails, so Serve replaces the replica.
 """
 
 from __future__ import annotations
