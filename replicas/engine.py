@@ -315,14 +315,15 @@ class Engine:
 
     def submit(self, request: Request) -> RequestStream:
         """Queues a request; raises InvalidRequest, PromptTooLong, UnknownInitState or EngineBusy."""
+        validate_request(request, self.config, self.runner.vocab_size)
         stream = RequestStream(self, next(self._uids), asyncio.get_running_loop())
         self.enqueue(request, stream)
         return stream
 
     def enqueue(self, request: Request, stream: Stream) -> None:
-        """Queues a request whose events go to `stream` (its uid new to this engine); raises as
-        `submit` does."""
-        validate_request(request, self.config, self.runner.vocab_size)
+        """Queues a request that `validate_request` has passed (an engine process's requests were
+        checked in the replica's) whose events go to `stream` (its uid new to this engine);
+        raises UnknownInitState or EngineBusy."""
         init = self.resolve_init_state(request.init_state)
         with self._lock:
             if self._in_flight >= self.config.max_slots + self.config.max_waiting:

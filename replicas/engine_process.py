@@ -385,7 +385,7 @@ def main(fd: int) -> None:
             _, uid, request = message
             try:
                 engine.enqueue(request, _Remote(uid, outlet))
-            except Exception as err:  # checked on the replica's side; an init state gone since
+            except Exception as err:  # checked in the replica's process; an init state gone since
                 outlet.send([(_Remote(uid, outlet), Finished("error", Usage(len(request.prompt), 0, 0), str(err)))])
         elif kind == "cancel":
             engine.cancel(message[1])
