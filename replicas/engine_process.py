@@ -5,8 +5,8 @@ and Ray's threads, which stream every chunk out; on a GPU, each time the device 
 for the GIL, and its steps took about twice as long over HTTP as alone (docs/serving.md,
 "Streaming over HTTP"). Here the replica starts `python -m replicas.engine_process` (a fresh interpreter: CUDA
 cannot be forked, and multiprocessing's spawn would re-import the Ray worker's main module), which
-opens the model and runs the Engine; the two talk over a socket pair, one pickled message each way
-per hand-over:
+opens the model and runs the Engine; the two talk over a socket pair in pickled messages (a
+step's events in one):
 
     replica -> engine   ("open", model_dir, device, EngineConfig as a dict)   first, once
                         ("submit", uid, Request) · ("cancel", uid) · ("call", cid, name, args)
