@@ -46,7 +46,7 @@ from .engine import (
     UnknownInitState,
     Usage,
 )
-from .engine_process import EngineProcess, EngineUnavailable
+from .engine_process import ENGINE_ENDED, EngineProcess, EngineUnavailable
 from .init_states import InitState, state_from_bytes
 from .model.loader import open_tokenizer
 from .sampling import InvalidRequest, TokenLogprob
@@ -194,7 +194,7 @@ class Replica:
         text = "".join(d.text for d in deltas)
         if end is None:
             return Chunk(text, logprobs)
-        error = ReplicaError(500, end.error or "generation failed") if end.reason == "error" else None
+        error = _failure(end) if end.reason == "error" else None
         return Chunk(text, logprobs, end.reason, end.usage, error)
 
     def _token_logprobs(self, lp: TokenLogprob) -> TokenLogprobs:
@@ -304,6 +304,14 @@ def token_text(tokenizer: Tokenizer, token_id: int, logprob: float) -> TokenText
     except UnicodeDecodeError:
         text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
     return TokenText(text, data, logprob)
+
+
+def _failure(end: Finished) -> ReplicaError:
+    """A request that failed in the engine: 503 if the engine's process ended under it (retry
+    elsewhere), else 500."""
+    if end.error == ENGINE_ENDED:
+        return _refusal(EngineUnavailable())
+    return ReplicaError(500, end.error or "generation failed")
 
 
 def _refusal(err: Exception) -> ReplicaError:

@@ -66,6 +66,10 @@ log = logging.getLogger("ray.serve.rwkv_fleet.engine")  # a child of Serve's: th
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+# The error of the requests in flight when the engine's process ended (the replica answers 503)
+ENGINE_ENDED = "the engine process ended"
+
+
 class EngineUnavailable(RuntimeError):
     """The engine's process has ended: the replica serves nothing until Serve replaces it, which
     its failing health check brings about (HTTP 503 with Retry-After meanwhile)."""
@@ -137,13 +141,18 @@ class EngineProcess:
             uid = next(self._uids)
             stream = RequestStream(self, uid, loop)
             self._streams[uid] = (stream, len(request.prompt))
-        self._send(("submit", uid, replace(request, init_state=init.id if init else None)))
+        try:
+            self._send(("submit", uid, replace(request, init_state=init.id if init else None)))
+        except EngineUnavailable:
+            with self._lock:
+                self._streams.pop(uid, None)
+            raise
         return stream
 
     def cancel(self, uid: int) -> None:
         try:
             self._send(("cancel", uid))
-        except OSError:
+        except EngineUnavailable:
             pass  # the engine is gone, and its rows with it
 
     def ping(self, timeout: float) -> None:
@@ -174,7 +183,7 @@ class EngineProcess:
             try:
                 self._send(("stop",))
                 self._process.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
+            except (EngineUnavailable, subprocess.TimeoutExpired):
                 self._process.kill()
                 self._process.wait()
         self._reader.join(timeout=5)
@@ -183,8 +192,13 @@ class EngineProcess:
     # -- the socket ------------------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            _send(self._conn, message)
+        """Raises EngineUnavailable if the engine's process is gone (before the events thread has
+        seen its socket close)."""
+        try:
+            with self._send_lock:
+                _send(self._conn, message)
+        except OSError:
+            raise EngineUnavailable() from None
 
     def _call(self, name: str, *args: Any, timeout: float | None = 60) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -192,7 +206,12 @@ class EngineProcess:
             self._check_running()
             cid = next(self._cids)
             self._calls[cid] = future
-        self._send(("call", cid, name, args))
+        try:
+            self._send(("call", cid, name, args))
+        except EngineUnavailable:
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise
         return future.result(timeout)
 
     def _check_running(self) -> None:
@@ -239,8 +258,7 @@ class EngineProcess:
         code = self._process.wait()
         if not self._stopping:
             log.error("the engine process ended (exit status %s) with %d requests in flight", code, len(streams))
-        error = "the engine process ended"
-        _to_loops([(s, Finished("error", Usage(n, 0, 0), error)) for s, n in streams.values()])
+        _to_loops([(s, Finished("error", Usage(n, 0, 0), ENGINE_ENDED)) for s, n in streams.values()])
         for future in calls.values():
             if not future.done():
                 future.set_exception(EngineUnavailable())

@@ -57,7 +57,8 @@ class Outcome:
 def failure(chunk: Chunk) -> ApiError | None:
     """The error a chunk ends its choice with, if it does."""
     if chunk.error is not None:
-        return ApiError(chunk.error.status, chunk.error.message, code=chunk.error.code)
+        return ApiError(chunk.error.status, chunk.error.message, code=chunk.error.code,
+                        retry_after=chunk.error.retry_after)
     if chunk.finish_reason == "cancelled":  # not by us: the replica is stopping
         return ApiError(503, "the model replica stopped during the request; try again", code="unavailable",
                         retry_after=1.0)

@@ -134,7 +134,10 @@ def engine_processes() -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and "replicas.engine_process" in cmdline(entry.name):
-            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            try:
+                parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            except OSError:
+                continue  # it has just ended
             if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
                 pids.append(int(entry.name))
     return pids

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from replicas.engine import Delta, Engine, EngineBusy, EngineConfig, Finished, Request, UnknownInitState
-from replicas.engine_process import EngineProcess, EngineUnavailable
+from replicas.engine_process import ENGINE_ENDED, EngineProcess, EngineUnavailable
 from replicas.init_states import InitState, InitStateError
 from replicas.model.config import ModelFormatError
 from replicas.model.loader import open_model
@@ -153,6 +153,31 @@ def test_when_the_engine_process_dies_its_requests_end_with_an_error(demo_model_
 
         with pytest.raises(EngineUnavailable):  # the replica answers 503 until Serve replaces it
             asyncio.run(after())
+    finally:
+        engine.stop()
+
+
+def test_a_request_sent_as_the_engine_process_dies_is_refused_or_ends_as_unavailable(demo_model_dir):
+    """Until the events thread has seen the socket close, a send can still go into it, or fail:
+    either way the request ends as the engine's end (a 503 from the replica), never otherwise."""
+    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", CONFIG)
+
+    async def until_refused() -> list[Finished]:
+        ends = []
+        os.kill(engine._process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                stream = engine.submit(Request([1, 2], SamplingParams(max_tokens=10**6, ignore_eos=True)))
+            except EngineUnavailable:
+                return ends
+            ends.append([e async for e in stream][-1])
+        raise AssertionError("never refused")
+
+    try:
+        ends = asyncio.run(until_refused())
+        assert all(e.reason == "error" and e.error == ENGINE_ENDED for e in ends)
+        assert engine._streams == {}
     finally:
         engine.stop()
 
