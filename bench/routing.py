@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve_app.app import APP_NAME, build_app  # noqa: E402
+from serve_app.app import APP_NAME, build_app, start_serve  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     say(f"starting a local Ray for {args.replicas} replicas of the demo model")
     ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve("127.0.0.1", port)
     rows = {}
     try:
         for affinity in (True, False):

@@ -248,11 +248,11 @@ def main() -> None:
     import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
-    from serve_app.app import APP_NAME, build_app  # noqa: PLC0415
+    from serve_app.app import APP_NAME, build_app, start_serve  # noqa: PLC0415
 
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve("127.0.0.1", port)
     try:
         say(f"over HTTP: deploying the application (one replica, which loads and warms up the model; "
             f"{config.ingress_options()['num_replicas']} ingress replica(s))")

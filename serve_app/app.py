@@ -19,7 +19,7 @@ from ray.serve import Application
 from replicas.deployment import Replica
 
 from . import registry
-from .config import AppConfig
+from .config import CONTROLLER_ENV_VARS, AppConfig
 from .ingress import Ingress
 
 APP_NAME = "rwkv"
@@ -30,6 +30,13 @@ def build_app(config: AppConfig) -> Application:
     replica = serve.deployment(Replica, name="Replica").options(**config.replica_options(num_gpus))
     ingress = serve.deployment(Ingress, name="Ingress").options(**config.ingress_options())
     return ingress.bind(config, replica.bind(config.replica_config(num_gpus), registry.connect))
+
+
+def start_serve(host: str, port: int) -> None:
+    """Starts Ray Serve's controller and HTTP proxies as the application wants them (its proxies'
+    calls over gRPC: CONTROLLER_ENV_VARS); a no-op but for a warning when Serve already runs."""
+    serve.start(http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": dict(CONTROLLER_ENV_VARS)}})
 
 
 def app_builder(args: dict[str, Any]) -> Application:

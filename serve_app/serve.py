@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from .app import APP_NAME, build_app
+from .app import APP_NAME, build_app, start_serve
 from .cli import CliError
 from .config import AppConfig, load_config
 
@@ -37,7 +37,7 @@ def serve(args: argparse.Namespace) -> None:
              **({} if address else {"num_cpus": _local_cpus(config)}))
     stop.install()  # after ray.init, which installs handlers of its own
     try:
-        ray_serve.start(http_options={"host": config.host, "port": config.port})
+        start_serve(config.host, config.port)
         ray_serve.run_many([ray_serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")],
                            wait_for_applications_running=False)
         if _wait_running(ray_serve, stop):

@@ -1,6 +1,6 @@
 """The ingress's side of a generation: one OpenAI request -> one replica stream per choice.
 
-Owns calling the replica deployment (a streaming handle call per choice), turning a refusal or
+Owns calling the replica deployment (a streaming handle call per choice, over gRPC), turning a refusal or
 a Ray failure into an `ApiError`, merging the choices' chunks in arrival order, and cancelling
 every call when the caller leaves (a disconnected client must free its rows). Never touches HTTP
 or response shapes.
@@ -23,6 +23,13 @@ from .protocol import ApiError, busy
 
 log = logging.getLogger("ray.serve.rwkv_fleet")
 
+# A replica call streams over gRPC, from the ingress straight to the replica's own server, pickled
+# by the standard pickle (what crosses are plain classes that import): not as a Ray actor task whose
+# streamed items each take Ray's object path, with a serializer thread in the replica. Measured with
+# the proxy's calls over gRPC too (serve_app/config.py, CONTROLLER_ENV_VARS; docs/serving.md).
+REPLICA_CALL = {"stream": True, "_by_reference": False, "request_serialization": "pickle",
+                "response_serialization": "pickle"}
+
 
 class ChoiceStreams:
     """The replica streams of one request, after each accepted it; iterate for (choice, chunk)."""
@@ -33,7 +40,7 @@ class ChoiceStreams:
     @classmethod
     async def open(cls, replica: DeploymentHandle, requests: Sequence[Request]) -> ChoiceStreams:
         """Starts every choice; raises ApiError (and cancels the rest) if any is refused."""
-        streams = cls([replica.options(stream=True).generate.remote(r) for r in requests])
+        streams = cls([replica.options(**REPLICA_CALL).generate.remote(r) for r in requests])
         try:
             firsts = await asyncio.gather(*(_next(call) for call in streams._calls))
         except BaseException:

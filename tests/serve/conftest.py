@@ -70,7 +70,7 @@ def served(tmp_path_factory):
     import ray
     from ray import serve
 
-    from serve_app.app import APP_NAME, build_app
+    from serve_app.app import APP_NAME, build_app, start_serve
     from serve_app.config import AppConfig
 
     root = tmp_path_factory.mktemp("serve")
@@ -87,7 +87,7 @@ def served(tmp_path_factory):
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve("127.0.0.1", port)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: len(httpx.get(f"{url}/v1/stats").json()["replicas"]) == REPLICAS, what="replica metrics")

@@ -1,5 +1,6 @@
 """Metrics that add up across replicas; overload answered with 503s and nothing lost; a client
-that disconnects mid-stream frees its slot; a replica whose engine's process dies is replaced."""
+that disconnects mid-stream frees its slot; a replica whose engine's process dies is replaced;
+requests cross Serve over gRPC."""
 
 from __future__ import annotations
 
@@ -121,25 +122,30 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(client, base_
     assert stats(client)["total"]["counters"].get("finished_cancelled", 0) == cancelled_before + 1
 
 
+def cmdline(pid: int | str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def processes(named: str) -> list[int]:
+    """The pids of this machine's processes whose command line holds `named`."""
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and named in cmdline(e.name)]
+
+
 def engine_processes() -> list[int]:
     """The pids of this application's replicas' engine processes (replicas/engine_process.py)."""
     from serve_app.app import APP_NAME
 
-    def cmdline(pid: int | str) -> str:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return ""
-
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and "replicas.engine_process" in cmdline(entry.name):
-            try:
-                parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-            except OSError:
-                continue  # it has just ended
-            if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
-                pids.append(int(entry.name))
+    for pid in processes("replicas.engine_process"):
+        try:
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue  # it has just ended
+        if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
+            pids.append(pid)
     return pids
 
 
@@ -165,3 +171,31 @@ def test_a_replica_whose_engine_process_dies_answers_503_until_serve_replaces_it
     wait_for(lambda: len(stats(client)["replicas"]) == REPLICAS, timeout=30, what="the old replica forgotten")
     for i in range(2 * REPLICAS):
         assert client.post("/v1/completions", json={"prompt": f"after {i}", "max_tokens": 4}).status_code == 200
+
+
+def test_requests_cross_serve_over_grpc(served):
+    """The transport docs/serving.md measured: the HTTP proxies call the ingress over gRPC (the env
+    they inherit from Serve's controller, as `start_serve` starts it), and a call made as the ingress
+    makes it (REPLICA_CALL) goes to a replica's gRPC server, not through a Ray actor task."""
+    from ray import serve
+
+    from replicas.engine import Request
+    from replicas.sampling import SamplingParams
+    from serve_app.app import APP_NAME
+    from serve_app.config import CONTROLLER_ENV_VARS
+    from serve_app.streams import ChoiceStreams
+
+    proxies = processes("ray::ProxyActor")
+    assert proxies
+    for pid in proxies:
+        env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+        assert {k: env.get(k) for k in CONTROLLER_ENV_VARS} == CONTROLLER_ENV_VARS
+
+    async def call() -> tuple[list[str], list[str]]:
+        replica = serve.get_deployment_handle("Replica", APP_NAME)
+        streams = await ChoiceStreams.open(replica, [Request([1, 2, 3], SamplingParams(max_tokens=3))])
+        kinds = [type(c._replica_result).__name__ for c in streams._calls]  # Serve's own (ray is pinned)
+        ends = [chunk.finish_reason async for _, chunk in streams if chunk.finish_reason]
+        return kinds, ends
+
+    assert asyncio.run(call()) == (["gRPCReplicaResult"], ["length"])

@@ -11,7 +11,7 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import AppConfig, read_config_file
+from serve_app.config import CONTROLLER_ENV_VARS, AppConfig, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,6 +36,7 @@ def test_serve_config_builds_an_application_without_ray():
     builder = getattr(__import__(module, fromlist=[name]), name)
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
     assert AppConfig.model_validate(app.args).num_gpus == "auto"
+    assert deploy.controller_options.runtime_env["env_vars"] == CONTROLLER_ENV_VARS  # as `rwkv-fleet serve` starts it
     scaled = {**app.args, "autoscaling": {"min_replicas": 1, "max_replicas": 8}}  # serve_config.yaml's commented block
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, scaled), Application)  # Serve takes both
 
@@ -60,7 +61,8 @@ def test_deployment_options_follow_the_config():
     assert router["request_router_kwargs"] == {"block_tokens": config.engine.cache_min_tokens, "slots": 6}
     assert "request_router_config" not in AppConfig(state_affinity=False).replica_options(num_gpus=0)
     for actor in (options["ray_actor_options"], config.ingress_options()["ray_actor_options"]):
-        assert actor["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+        env = actor["runtime_env"]["env_vars"]
+        assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
     streaming = AppConfig(stream={"max_delay_ms": 50, "max_chunks_per_s": 250}).replica_config(num_gpus=0)
     assert (streaming.stream_delay_s, streaming.stream_chunks_per_s) == (0.05, 250)
 
