@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,10 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("ray.serve.rwkv_fleet.replica")
 
 HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a step is far shorter)
+# A replica whose engine's process died ends its own process this long after, once the requests in
+# flight have their 503s out (`Replica._engine_failed`).
+FAILED_ENGINE_GRACE_S = 1.0
+LOCAL = "local"  # the replica's id and application outside Ray Serve (tests, tools)
 
 
 class ReplicaConfig(BaseModel):
@@ -123,7 +129,7 @@ class Replica:
         # The engine runs in a process of its own (engine_process.py says why); it loads the model
         # and warms up there, and its progress comes here through `log`.
         self.engine, self.model_config, self.card = await asyncio.to_thread(
-            EngineProcess.open, config.model_dir, config.device, config.engine, log.info)
+            EngineProcess.open, config.model_dir, config.device, config.engine, log.info, self._engine_failed)
         self.tokenizer = open_tokenizer(config.model_dir, self.card)
         self.registry = connect_registry(app_name) if connect_registry else None
         self.catalog_version: int | None = None
@@ -150,6 +156,20 @@ class Replica:
         finally:
             self._streams -= 1
             stream.cancel()  # a no-op when the request finished; else it frees the row
+
+    def _engine_failed(self) -> None:
+        """The engine's process ended unasked (it crashed, or was killed): this replica can serve
+        nothing more. Under Serve it ends its own process FAILED_ENGINE_GRACE_S later: a call to a
+        dead replica is routed again, so new requests go to the other replicas at once, and Serve
+        starts a replacement. Left to its failing health check, it answered 503s for seconds
+        (docs/serving.md, "Streaming over HTTP")."""
+        if self.replica_id == LOCAL:
+            return
+        log.error("replica %s: its engine's process ended; ending the replica so that Serve replaces it",
+                  self.replica_id)
+        if getattr(self, "registry", None) is not None:
+            self.registry.forget.remote(self.replica_id)
+        threading.Timer(FAILED_ENGINE_GRACE_S, os._exit, (1,)).start()
 
     def _interval(self) -> float:
         """How long a stream's chunk waits for more tokens: stream_delay_s, or as long as keeps the
@@ -334,4 +354,4 @@ def _replica_identity() -> tuple[str, str]:
         context = serve.get_replica_context()
         return context.replica_id.unique_id, context.app_name
     except Exception:
-        return "local", "local"
+        return LOCAL, LOCAL

@@ -19,8 +19,9 @@ step's events in one):
 init states, stats, ping, stop), so a request's stream is the same RequestStream. It checks a
 request and refuses one when busy before anything crosses, as Engine.submit does. The engine's
 side ends when its socket closes (the replica's process is gone: Ray kills it without asking) or
-on "stop"; when it ends, every request in flight gets Finished("error"), new ones and calls
-EngineUnavailable (HTTP 503), and the health check fails, so Serve replaces the replica.
+on "stop"; when it ends unasked, every request in flight gets Finished("error"), new ones and
+calls EngineUnavailable (HTTP 503), and `on_failure` is called: the replica ends itself, so that
+Serve replaces it (replicas/deployment.py; its health check would fail too).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -71,8 +73,8 @@ ENGINE_ENDED = "the engine process ended"
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine's process has ended: the replica serves nothing until Serve replaces it, which
-    its failing health check brings about (HTTP 503 with Retry-After meanwhile)."""
+    """The engine's process has ended: the replica serves nothing until Serve replaces it (HTTP
+    503 with Retry-After meanwhile; replicas/deployment.py ends such a replica at once)."""
 
     def __init__(self, retry_after: float = 1.0):
         super().__init__("this replica's engine has stopped; it is being replaced: try again")
@@ -83,10 +85,11 @@ class EngineProcess:
     """The replica's handle on an engine in a child process."""
 
     @classmethod
-    def open(cls, model_dir: Path | None, device: str, config: EngineConfig,
-             progress: Any = lambda _: None) -> tuple[EngineProcess, ModelConfig, ModelCard]:
+    def open(cls, model_dir: Path | None, device: str, config: EngineConfig, progress: Any = lambda _: None,
+             on_failure: Callable[[], None] = lambda: None) -> tuple[EngineProcess, ModelConfig, ModelCard]:
         """Starts the process and waits until its engine runs (the model loaded, warmed up);
-        raises what opening the model raised there."""
+        raises what opening the model raised there. `on_failure()` is called (on the events
+        thread) if the process ends without `stop()`, after the requests in flight have ended."""
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         process = subprocess.Popen([sys.executable, "-m", "replicas.engine_process", str(theirs.fileno())],
@@ -104,9 +107,10 @@ class EngineProcess:
             process.wait()
             raise message[1]
         _, model_config, card, vocab_size = message
-        return cls(conn, process, config, vocab_size), model_config, card
+        return cls(conn, process, config, vocab_size, on_failure), model_config, card
 
-    def __init__(self, conn: Connection, process: subprocess.Popen, config: EngineConfig, vocab_size: int):
+    def __init__(self, conn: Connection, process: subprocess.Popen, config: EngineConfig, vocab_size: int,
+                 on_failure: Callable[[], None] = lambda: None):
         self.config = config
         self.vocab_size = vocab_size
         self.init_states: dict[str, InitState] = {}  # the engine's catalog, without the tensors
@@ -121,6 +125,7 @@ class EngineProcess:
         self._busy_refusals = 0
         self._ended = False
         self._stopping = False  # stop() was called: the process's end is no failure
+        self._on_failure = on_failure
         self._reader = threading.Thread(target=self._read, name="rwkv-engine-events", daemon=True)
         self._reader.start()
 
@@ -262,6 +267,8 @@ class EngineProcess:
         for future in calls.values():
             if not future.done():
                 future.set_exception(EngineUnavailable())
+        if not self._stopping:
+            self._on_failure()
 
 
 def _to_loops(items: list[tuple[RequestStream, Event]]) -> None:

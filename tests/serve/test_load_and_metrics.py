@@ -134,43 +134,66 @@ def processes(named: str) -> list[int]:
     return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and named in cmdline(e.name)]
 
 
-def engine_processes() -> list[int]:
-    """The pids of this application's replicas' engine processes (replicas/engine_process.py)."""
+def engine_processes() -> dict[int, int]:
+    """This application's replicas' engine processes (replicas/engine_process.py): pid -> its
+    replica's pid."""
     from serve_app.app import APP_NAME
 
-    pids = []
+    pids = {}
     for pid in processes("replicas.engine_process"):
         try:
-            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue  # it has just ended
         if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
-            pids.append(pid)
+            pids[pid] = parent
     return pids
 
 
-def test_a_replica_whose_engine_process_dies_answers_503_until_serve_replaces_it(client):
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_replica_whose_engine_process_dies_ends_and_serve_replaces_it(client):
+    """The replica ends itself (FAILED_ENGINE_GRACE_S after), so new requests go to the other
+    replica before Serve has replaced it; only requests that met the dying replica get 503s."""
+    from replicas.deployment import FAILED_ENGINE_GRACE_S
+
     wait_for(lambda: idle(client), what="idle replicas")
     old = set(stats(client)["replicas"])
     engines = engine_processes()
     assert len(engines) == REPLICAS
-    os.kill(engines[0], signal.SIGKILL)
+    engine, replica = next(iter(engines.items()))
+    os.kill(engine, signal.SIGKILL)
     statuses = []
 
-    def replaced() -> bool:
-        body = {"prompt": f"request {len(statuses)}", "max_tokens": 4}  # prompts of their own: either replica
-        response = client.post("/v1/completions", json=body)
-        statuses.append(response.status_code)
+    def send(what: str) -> int:
+        response = client.post("/v1/completions", json={"prompt": what, "max_tokens": 4})  # either replica
         if response.status_code == 503:
-            assert response.json()["error"]["code"] == "engine_unavailable" and response.headers["retry-after"]
+            assert response.json()["error"]["code"] in ("engine_unavailable", "unavailable")
+            assert response.headers["retry-after"]
+        return response.status_code
+
+    def replica_ended() -> bool:
+        statuses.append(send(f"request {len(statuses)}"))
+        return not running(replica)
+
+    wait_for(replica_ended, timeout=FAILED_ENGINE_GRACE_S + 10, interval=0.2, what="the replica's end")
+    assert set(statuses) <= {200, 503}, statuses
+    after = [send(f"after the end {i}") for i in range(10)]
+    assert after == [200] * 10, after  # the dead replica's share routed again, not refused
+
+    def replaced() -> bool:
         fresh = set(stats(client)["replicas"]) - old
         return bool(fresh) and len(engine_processes()) == REPLICAS
 
-    wait_for(replaced, timeout=90, interval=0.3, what="a replacement replica")  # its health check fails
-    assert set(statuses) == {200, 503}, statuses  # the other replica served on; this one refused
+    wait_for(replaced, timeout=90, interval=0.5, what="a replacement replica")
     wait_for(lambda: len(stats(client)["replicas"]) == REPLICAS, timeout=30, what="the old replica forgotten")
     for i in range(2 * REPLICAS):
-        assert client.post("/v1/completions", json={"prompt": f"after {i}", "max_tokens": 4}).status_code == 200
+        assert send(f"after the replacement {i}") == 200
 
 
 def test_requests_cross_serve_over_grpc(served):

@@ -29,9 +29,11 @@ CONFIG = EngineConfig(max_slots=2, max_waiting=2, token_chunk_size=16, max_prefi
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", CONFIG)
+    failures = []
+    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", CONFIG, on_failure=lambda: failures.append(1))
     yield engine
     engine.stop()
+    assert failures == []  # a stop is no failure
 
 
 async def run(engine, request: Request) -> tuple[list[int], Finished]:
@@ -132,7 +134,9 @@ def test_a_model_that_does_not_open_raises_its_error_here(tmp_path):
 
 
 def test_when_the_engine_process_dies_its_requests_end_with_an_error(demo_model_dir):
-    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", CONFIG)
+    failures = []
+    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", CONFIG, on_failure=lambda: failures.append(
+        engine._streams))  # what is still in flight when it is called
 
     async def killed():
         stream = engine.submit(Request([1, 2], SamplingParams(max_tokens=10**6, ignore_eos=True)))
@@ -145,6 +149,8 @@ def test_when_the_engine_process_dies_its_requests_end_with_an_error(demo_model_
         _, rest = asyncio.run(killed())
         assert isinstance(rest[-1], Finished) and rest[-1].reason == "error"
         assert "engine process ended" in rest[-1].error and rest[-1].usage.prompt_tokens == 2
+        engine._reader.join(timeout=10)  # the events thread calls it last
+        assert failures == [{}]  # called once, its requests ended
         with pytest.raises(EngineUnavailable):
             engine.ping(1.0)
 
