@@ -26,7 +26,12 @@ from .chat import ChatTemplate
 # on second loops beside it that each streamed message had to cross (on an H200, 1.5B, 64 requests
 # streaming over HTTP, the user code: 4,982 -> 8,133 generated tokens/s; docs/serving.md, "Streaming
 # over HTTP"). Env vars are added to an application's runtime_env, not put in its place.
-SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# gRPC's messages are unbounded (-1) where Serve would take its 4 MB default: a request carries its
+# prompt, pickled at 3-5 bytes a token, so 4 MB refused prompts past about 1.3M tokens (a 500), and
+# a whole response is one message from the ingress to the proxy. HTTP's limits bound them instead.
+GRPC_MESSAGES = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
+SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                  **GRPC_MESSAGES}
 
 # Serve's controller, and the HTTP proxies it starts (they inherit its env): a proxy sends each request
 # to the ingress over gRPC, as the ingress does to the replicas (serve_app/streams.py), and routes on
@@ -34,7 +39,7 @@ SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_
 # as `controller_options` for `serve deploy` and `serve run`; both apply only where they start the
 # controller. On an H200, 1.5B, 256 requests streaming: 13,287 -> 19,986 generated tokens/s, first
 # token 1,500 -> 65 ms, with the ingress's calls over gRPC too (docs/serving.md).
-CONTROLLER_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+CONTROLLER_ENV_VARS = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", **GRPC_MESSAGES}
 
 
 def _runtime_env() -> dict[str, Any]:

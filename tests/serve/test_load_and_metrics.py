@@ -206,6 +206,7 @@ def test_requests_cross_serve_over_grpc(served):
     from replicas.sampling import SamplingParams
     from serve_app.app import APP_NAME
     from serve_app.config import CONTROLLER_ENV_VARS
+    from serve_app.protocol import ApiError
     from serve_app.streams import ChoiceStreams
 
     proxies = processes("ray::ProxyActor")
@@ -222,3 +223,11 @@ def test_requests_cross_serve_over_grpc(served):
         return kinds, ends
 
     assert asyncio.run(call()) == (["gRPCReplicaResult"], ["length"])
+
+    async def large() -> None:  # 6 MB pickled, past gRPC's default 4 MB: it reaches the replica's checks
+        replica = serve.get_deployment_handle("Replica", APP_NAME)
+        await ChoiceStreams.open(replica, [Request([60_000] * 2_000_000, SamplingParams(max_tokens=1))])
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(large())
+    assert refused.value.status == 413 and refused.value.code == "context_length_exceeded"
