@@ -1,10 +1,11 @@
 """The replica: one engine beside one GPU, as a Ray Serve deployment.
 
-Owns the engine's lifecycle (its process: open the model, start, health, stop), following the
-registry's init-state catalog (all of it at start, then every change), pushing the engine's
-metrics to the registry every `metrics_interval_s` (never per request), and streaming each
-request's output to the ingress in coalesced chunks. Never touches HTTP or prompt text: token ids come in, text goes
-out (the engine detokenizes; logprob token ids are mapped to their text and bytes here).
+Owns the engine's lifecycle (its process: open the model, start, health, stop, and the replica's
+own end when that process dies), following the registry's init-state catalog (all of it at start,
+then every change), pushing the engine's metrics to the registry every `metrics_interval_s` (never
+per request), and streaming each request's output to the ingress in coalesced chunks. Never
+touches HTTP or prompt text: token ids come in, text goes out (the engine detokenizes; logprob
+token ids are mapped to their text and bytes here).
 
 `generate(request)` is called through a streaming handle and yields `Chunk`s:
     first    Chunk() when the engine accepted the request, or Chunk(error=...) and the end;

@@ -22,14 +22,15 @@ from replicas.engine import EngineConfig
 
 from .chat import ChatTemplate
 
-# Both deployments run their code, and their handles' routers, on the replica's own event loop, not
-# on second loops beside it that each streamed message had to cross (on an H200, 1.5B, 64 requests
-# streaming over HTTP, the user code: 4,982 -> 8,133 generated tokens/s; docs/serving.md, "Streaming
-# over HTTP"). Env vars are added to an application's runtime_env, not put in its place.
 # gRPC's messages are unbounded (-1) where Serve would take its 4 MB default: a request carries its
 # prompt, pickled at 3-5 bytes a token, so 4 MB refused prompts past about 1.3M tokens (a 500), and
 # a whole response is one message from the ingress to the proxy. HTTP's limits bound them instead.
 GRPC_MESSAGES = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
+
+# Both deployments run their code, and their handles' routers, on the replica's own event loop, not
+# on second loops beside it that each streamed message had to cross (on an H200, 1.5B, 64 requests
+# streaming over HTTP, the user code: 4,982 -> 8,133 generated tokens/s; docs/serving.md, "Streaming
+# over HTTP"). Env vars are added to an application's runtime_env, not put in its place.
 SERVE_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                   **GRPC_MESSAGES}
 

@@ -1,9 +1,9 @@
 """The ingress's side of a generation: one OpenAI request -> one replica stream per choice.
 
-Owns calling the replica deployment (a streaming handle call per choice, over gRPC), turning a refusal or
-a Ray failure into an `ApiError`, merging the choices' chunks in arrival order, and cancelling
-every call when the caller leaves (a disconnected client must free its rows). Never touches HTTP
-or response shapes.
+Owns calling the replica deployment (a streaming handle call per choice, over gRPC), turning a
+refusal or a Ray failure into an `ApiError`, merging the choices' chunks in arrival order, and
+cancelling every call when the caller leaves (a disconnected client must free its rows). Never
+touches HTTP or response shapes.
 """
 
 from __future__ import annotations
