@@ -11,11 +11,13 @@ and iterate its events. One step of the loop:
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
-  5. sample every row that has fresh logits; feed the rows that go on their tokens at once (one
-     decode call: on a GPU it runs while the host makes text and plans the next step); emit text.
-     On a GPU a step's events reach the callers while the next step waits for the device to
-     sample (their event loop, which needs the GIL, then runs beside that wait, not beside the
-     next step's host work); elsewhere, or when nothing is left to sample, at the step's end.
+  5. sample every row that has fresh logits, and feed the rows that max_tokens does not end
+     their tokens before the host reads them (one decode call, queued on a GPU behind the choice,
+     with the tokens where the sampler wrote them; a row whose token is an end token is not fed);
+     then read the tokens and emit text while the device decodes. On a GPU a step's events reach
+     the callers while the next step waits for the device to sample (their event loop, which
+     needs the GIL, then runs beside that wait, not beside the next step's host work);
+     elsewhere, or when nothing is left to sample, at the step's end.
 
 Every way a row ends (stop, length, cancelled, error) goes through `_finish`: the slot is freed,
 the state (prompt + generated tokens) is published to the prefix cache, and the caller is
@@ -44,7 +46,7 @@ from torch import Tensor
 
 from .init_states import InitState, InitStateError
 from .output import OutputStream
-from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob
+from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
 from .slots import Choice, Phase, SlotTable
 from .state_cache import PrefixStateCache, Snapshot
 from .tokenizer import Tokenizer
@@ -533,25 +535,40 @@ class Engine:
                 row.fresh = True
                 self.slots.start_generating(row.slot)
 
-    def _run_decode(self, rows: list[_Row], tokens: list[int]) -> None:
-        """Feeds each row its sampled token; its logits come back fresh (and the call's logits
-        [len(rows), V] are kept whole for the next sampling)."""
+    def _run_decode(self, rows: list[_Row], tokens: Tensor) -> tuple[list[_Row], Tensor] | None:
+        """Feeds the sampled rows that max_tokens does not end their tokens (`tokens`, one a row, on
+        the device and not yet read by the host), but not a row whose token is one of its end
+        tokens: its slot stays as it was. The rows fed and the call's logits, or None."""
+        fed = [i for i, row in enumerate(rows) if row.output.count + 1 < row.request.params.max_tokens]
+        if not fed:
+            return None
+        if len(fed) < len(rows):
+            tokens = tokens.index_select(0, upload(fed, tokens.device, torch.int64))
+        rows = [rows[i] for i in fed]
+        logits = self._model_call("decode", rows, [row.slot for row in rows], tokens, _feed(rows, tokens))
+        return None if logits is None else (rows, logits)
+
+    def _went_on(self, decoded: tuple[list[_Row], Tensor] | None, tokens: dict[int, int]) -> None:
+        """The rows that took their token (`tokens` by uid, now read) consume it and take their
+        logits after it (the call's logits, whole, are kept for the next sampling)."""
         self._decoded = None
-        if not rows:
+        if decoded is None:
             return
-        logits = self._model_call("decode", rows, [row.slot for row in rows], tokens)
-        if logits is None:
-            return
-        for row, token, row_logits in zip(rows, tokens, logits.unbind(0), strict=True):  # views, one call
-            row.consumed.append(token)
+        rows, logits = decoded
+        went = [j for j, row in enumerate(rows) if row.output.goes_on(tokens[row.uid])]
+        if len(went) < len(rows):  # an end token ended these rows: they were not fed
+            logits = logits.index_select(0, upload(went, logits.device, torch.int64))
+            rows = [rows[j] for j in went]
+        for row, row_logits in zip(rows, logits.unbind(0), strict=True):  # views, one call
+            row.consumed.append(tokens[row.uid])
             row.logits, row.fresh = row_logits, True
         self._decoded = (rows, logits)
 
-    def _model_call(self, kind: str, rows: list[_Row], slots: list[int], inputs: list) -> Tensor | None:
+    def _model_call(self, kind: str, rows: list[_Row], slots: list[int], *inputs: Any) -> Tensor | None:
         """One runner call; if it raises, its rows fail and the rest of the batch goes on."""
         started = time.perf_counter()
         try:
-            logits = getattr(self.runner, kind)(slots, inputs)
+            logits = getattr(self.runner, kind)(slots, *inputs)
         except Exception as err:
             log.exception("%s failed for %d rows", kind, len(rows))
             for row in rows:
@@ -562,17 +579,23 @@ class Engine:
         return logits
 
     def _sample(self, rows: list[_Row]) -> None:
-        """Chooses each row's next token, feeds it to the model at once for the rows that go on,
-        then makes the text. A row that a stop string ends was fed its last token too: its state
-        and logits still agree with its consumed tokens, which is all the cache needs."""
+        """Chooses each row's next token and feeds it to the model before the host reads it (the
+        rows that may go on: on a GPU the decode is queued behind the choice, and runs while the
+        host makes the text), then makes the text. A row that a stop string ends was fed its last
+        token too: its state and logits still agree with its consumed tokens, which is all the
+        cache needs."""
         if not rows:
             return
         params = [row.request.params for row in rows]
         try:
-            # the events made since the last hand-over go to the callers while the host waits for
-            # the device: their event loop then runs beside the wait, not beside the next step
-            out = self.sampler.sample(self._logits_of(rows), [row.slot for row in rows], params,
-                                      [row.rng.random() for row in rows], before_wait=self._hand_over)
+            chosen = self.sampler.choose(self._logits_of(rows), [row.slot for row in rows], params,
+                                         [row.rng.random() for row in rows])
+            # the events made since the last hand-over go to the callers while the host feeds the
+            # decode and waits for the device: their event loop then runs beside the wait, not
+            # beside the next step
+            self._hand_over()
+            decoded = self._run_decode(rows, chosen.tokens)
+            out = chosen.result()
         except Exception as err:
             log.exception("sampling failed")
             for row in rows:
@@ -581,8 +604,7 @@ class Engine:
         self.stats["generated_tokens"] += len(rows)
         for row in rows:
             row.fresh = False
-        going_on = [(row, token) for row, token in zip(rows, out.tokens, strict=True) if row.output.goes_on(token)]
-        self._run_decode([row for row, _ in going_on], [token for _, token in going_on])
+        self._went_on(decoded, {row.uid: token for row, token in zip(rows, out.tokens, strict=True)})
         for row, token, logprob in zip(rows, out.tokens, out.logprobs, strict=True):
             if row.uid not in self._rows:
                 continue  # its decode call failed, and ended it
@@ -693,6 +715,17 @@ class Engine:
             assert self._in_flight >= len(self._rows)
         assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
         self.cache.check_integrity()
+
+
+def _feed(rows: list[_Row], tokens: Tensor) -> Tensor | None:
+    """Which rows take their sampled token (bool, on the tokens' device): not one whose token is
+    one of its end tokens. None when no row has end tokens (ignore_eos and no stop_token_ids)."""
+    ends = [row.output.end_tokens for row in rows]
+    width = max(map(len, ends))
+    if not width:
+        return None
+    table = upload([[*end, *[-1] * (width - len(end))] for end in ends], tokens.device, torch.int64)
+    return (tokens[:, None] != table).all(1)
 
 
 def _device_cache_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -92,6 +92,46 @@ class SampleOutput:
     logprobs: list[TokenLogprob | None]
 
 
+class Chosen:
+    """A batch's tokens as the device chooses them: `tokens` (int64 [B], on the logits' device)
+    can feed the model at once; result() gives them, with the logprobs asked for, on the host.
+    Everything result() reads is copied out as it is queued (to pinned memory on a GPU), so it
+    waits for the choice and not for what the device runs after it."""
+
+    def __init__(self, tokens: Tensor, params: Sequence[SamplingParams], x: Tensor):
+        self.tokens = tokens
+        self._params = params
+        self._rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        parts = [tokens]
+        if self._rows:  # x: the row's logits with the biases and penalties applied
+            index = upload(self._rows, x.device)
+            logp = torch.log_softmax(x[index], dim=-1)
+            parts.append(logp.gather(1, tokens[index][:, None])[:, 0])
+            width = max(params[i].logprobs or 0 for i in self._rows)
+            if width:
+                parts.extend(torch.topk(logp, width, dim=-1))
+        self._ready = None
+        if tokens.is_cuda:
+            parts = [part.to("cpu", non_blocking=True) for part in parts]  # (pinned by torch for the copy)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = parts
+
+    def result(self) -> SampleOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self._rows:
+            chosen = self._host[1].tolist()
+            top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if len(self._host) > 2 else ([], [])
+            for j, i in enumerate(self._rows):
+                n = self._params[i].logprobs or 0
+                top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True)) if n else ()
+                logprobs[i] = TokenLogprob(tokens[i], chosen[j], top)
+        return SampleOutput(tokens, logprobs)
+
+
 class Sampler:
     """Batched sampling with per-slot penalty counts ([max_slots, V] on the logits' device).
 
@@ -123,13 +163,21 @@ class Sampler:
         for slot in range(min(16, slots)):
             self.reset(slot)
 
-    @torch.no_grad()
     def sample(
         self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams], uniforms: Sequence[float],
         before_wait: Callable[[], None] = lambda: None,
     ) -> SampleOutput:
         """logits [B, V] -> one token per row; updates the penalty counts of the rows' slots.
         before_wait runs once the choice is queued, before the host waits for the device to make it."""
+        chosen = self.choose(logits, slots, params, uniforms)
+        before_wait()
+        return chosen.result()
+
+    @torch.no_grad()
+    def choose(self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams],
+               uniforms: Sequence[float]) -> Chosen:
+        """sample's choice, queued on the logits' device: its tokens can feed the model before the
+        host has read them (Chosen.result waits for them, and for nothing queued after them)."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
         if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
@@ -139,9 +187,7 @@ class Sampler:
                 self._slot_params = SlotParams(self.counts.shape[0], self.vocab_size, self.counts.device)
             self._slot_params.update(slots, params)
             tokens = sample(x, self.counts, self._slot_params.table, slots, params, uniforms)
-            before_wait()
-            token_list = tokens.tolist()  # one sync
-            return SampleOutput(token_list, _logprobs(x, token_list, params))
+            return Chosen(tokens, params, x)
         self._apply_penalties(x, slots, params)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(params):  # no greedy row: no argmax, no copy of the random rows
@@ -149,41 +195,39 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             if random_rows:
-                index = _upload(random_rows, x.device)
+                index = upload(random_rows, x.device)
                 chosen = _sample_rows(x[index], [params[i] for i in random_rows], [uniforms[i] for i in random_rows])
                 tokens = tokens.index_put((index,), chosen)
-        before_wait()
-        token_list = tokens.tolist()  # the last host synchronisation (top-k / top-p make one before: _cutoffs)
-        self._record(slots, token_list, params)
-        return SampleOutput(token_list, _logprobs(x, token_list, params))
+        self._record(slots, tokens, params)
+        return Chosen(tokens, params, x)
 
     def _apply_bias(self, x: Tensor, params: Sequence[SamplingParams]) -> None:
         for i, p in enumerate(params):
             if p.logit_bias:
-                ids = _upload([int(t) for t in p.logit_bias], x.device)
-                x[i].index_add_(0, ids, _upload([float(b) for b in p.logit_bias.values()], x.device))
+                ids = upload([int(t) for t in p.logit_bias], x.device)
+                x[i].index_add_(0, ids, upload([float(b) for b in p.logit_bias.values()], x.device))
 
     def _apply_penalties(self, x: Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.penalized]
         if not rows:
             return
-        index = _upload(rows, x.device)
-        counts = self.counts[_upload([slots[i] for i in rows], x.device)]
-        presence = _upload([params[i].presence_penalty for i in rows], x.device)[:, None]
-        frequency = _upload([params[i].frequency_penalty for i in rows], x.device)[:, None]
+        index = upload(rows, x.device)
+        counts = self.counts[upload([slots[i] for i in rows], x.device)]
+        presence = upload([params[i].presence_penalty for i in rows], x.device)[:, None]
+        frequency = upload([params[i].frequency_penalty for i in rows], x.device)[:, None]
         x[index] -= presence * (counts > 0) + frequency * counts
 
-    def _record(self, slots: Sequence[int], tokens: Sequence[int], params: Sequence[SamplingParams]) -> None:
+    def _record(self, slots: Sequence[int], tokens: Tensor, params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.penalized]
         if not rows:
             return
         device = self.counts.device
-        index = _upload([slots[i] for i in rows], device)  # a slot holds one row: no index repeats
-        self.counts[index] *= _upload([params[i].penalty_decay for i in rows], device)[:, None]
-        self.counts[index, _upload([tokens[i] for i in rows], device)] += 1.0
+        index = upload([slots[i] for i in rows], device)  # a slot holds one row: no index repeats
+        self.counts[index] *= upload([params[i].penalty_decay for i in rows], device)[:, None]
+        self.counts[index, tokens[upload(rows, tokens.device)]] += 1.0
 
 
-def _upload(values, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     """A list as a tensor on device, queued behind the device's work instead of waiting for it: a
     copy from pageable host memory waits until everything queued before it has run (the decode
     step, the sampler's earlier kernels), one from pinned memory does not."""
@@ -202,14 +246,14 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     """
     B, V = x.shape
     device = x.device
-    x = x / _upload([p.temperature for p in params], device)[:, None]
+    x = x / upload([p.temperature for p in params], device)[:, None]
     mass = _masses(x, x.amax(-1, keepdim=True))
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
         mass.masked_fill_(x < _cutoffs(x, mass, k, [p.top_p for p in params]), 0)
     cdf = mass.cumsum_(-1)  # int64: exact
     # u · total < total, so the first index whose CDF exceeds the target exists and has mass
-    target = (_upload(uniforms, device, torch.float64)[:, None] * cdf[:, -1:]).floor_().long()
+    target = (upload(uniforms, device, torch.float64)[:, None] * cdf[:, -1:]).floor_().long()
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
@@ -261,18 +305,18 @@ def _masses(x: Tensor, top: Tensor) -> Tensor:
 
 
 class _WindowRows:
-    """What the window needs to know of each row, on the device (uploaded as _upload says)."""
+    """What the window needs to know of each row, on the device (uploaded as upload says)."""
 
     def __init__(self, k: list[int], top_p: list[float], W: int, V: int, device: torch.device):
         everything = [kk >= V and p >= 1.0 for kk, p in zip(k, top_p, strict=True)]
         # a row is decided when fewer than `limit` of its window's tokens are kept
         limit = [W + 1 if kk <= W or every else W if kk >= V else 0 for kk, every in zip(k, everything, strict=True)]
-        ints = _upload([[kk, min(kk, W), lim] for kk, lim in zip(k, limit, strict=True)], device)
+        ints = upload([[kk, min(kk, W), lim] for kk, lim in zip(k, limit, strict=True)], device)
         self.k, self.k_w, self.limit = ints[:, :1], ints[:, 1:2], ints[:, 2:]
         p_w = [p if p < 1.0 else 2.0 for p in top_p]  # 2: the whole top k
-        floats = _upload(list(zip(top_p, p_w, strict=True)), device, torch.float64)
+        floats = upload(list(zip(top_p, p_w, strict=True)), device, torch.float64)
         self.p, self.p_w = floats[:, :1], floats[:, 1:]
-        flags = _upload([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device)
+        flags = upload([[kk <= W, every] for kk, every in zip(k, everything, strict=True)], device)
         self.in_window, self.everything = flags[:, :1], flags[:, 1:]
 
     def cutoffs(self, values: Tensor, mass: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
@@ -348,19 +392,3 @@ def _key_values(key: Tensor) -> Tensor:
     """int64 keys from _order_keys -> the float32 values they stand for."""
     bits = torch.where(key < 0, torch.iinfo(torch.int32).min - key, key)
     return bits.to(torch.int32).view(torch.float32)
-
-
-def _logprobs(x: Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(params)
-    if not rows:
-        return out
-    logp = torch.log_softmax(x[_upload(rows, x.device)], dim=-1)
-    width = max(params[i].logprobs or 0 for i in rows)
-    top_v, top_i = torch.topk(logp, width, dim=-1) if width else (None, None)
-    chosen = logp.gather(1, _upload([tokens[i] for i in rows], x.device)[:, None])[:, 0].tolist()
-    for j, i in enumerate(rows):
-        n = params[i].logprobs or 0
-        top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True)) if n else ()
-        out[i] = TokenLogprob(tokens[i], chosen[j], top)
-    return out

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
-from .sampling import _LOWEST, MASS_SCALE, SamplingParams, _upload
+from .sampling import _LOWEST, MASS_SCALE, SamplingParams, upload
 
 BLOCK = 4096  # tokens a program reads at once (these four: bench sweeps on the H200, 12-01n)
 BITS = 2  # key bits a search settles a pass: 2**BITS candidates a pass, 32 / BITS passes
@@ -57,7 +57,7 @@ class SlotParams:
             if self.held[slot] is not p:
                 self.held[slot], self.host[slot], changed = p, self.row(p), True
         if changed:
-            self.table.copy_(_upload(self.host, self.table.device))
+            self.table.copy_(upload(self.host, self.table.device))
 
     def row(self, p: SamplingParams) -> tuple:
         """In _sample_kernel's order. Every value is exact as a float64, and a float field rounds
@@ -79,7 +79,7 @@ def sample(x: Tensor, counts: Tensor, table: Tensor, slots: Sequence[int], param
     scratch = (B, V) if any(not p.greedy for p in params) else (1,)  # greedy rows need none
     keys = torch.empty(scratch, dtype=torch.int32, device=x.device)  # each token's key
     masses = torch.empty(scratch, dtype=torch.int32, device=x.device)  # and its mass
-    rows = _upload(np.array([slots, uniforms], dtype=np.float64), x.device)  # [2, B]
+    rows = upload(np.array([slots, uniforms], dtype=np.float64), x.device)  # [2, B]
     _sample_kernel[(B,)](x, keys, masses, counts, table, rows, tokens, B, V=V, BLOCK=BLOCK, BITS=BITS,
                          STAGES=STAGES, FIELDS=_FIELDS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                          num_warps=WARPS, enable_fp_fusion=False)  # torch rounds each product and sum alone

@@ -295,22 +295,33 @@ class CudaRunner(SlotStates):
         return self._prefill_graphs[key]
 
     @torch.no_grad()
-    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
-        """Advances each row by one token; logits [R, V] fp32 (a fresh tensor, never overwritten)."""
+    def decode(self, rows: Sequence[int], tokens: Sequence[int] | Tensor, feed: Tensor | None = None) -> Tensor:
+        """Advances each row by one token; logits [R, V] fp32 (a fresh tensor, never overwritten).
+        tokens may be on the device (the sampler's, not yet read by the host); a row where feed
+        (bool, on the device) is False runs on the scratch slot: its own slot stays as it was."""
         self._check_rows(rows, len(tokens))
         self._fresh.difference_update(rows)  # (a fresh row's first token belongs in prefill: see there)
         B = len(rows)
+        on_device = isinstance(tokens, Tensor)
         if not self.graphs:
-            io = torch.tensor([list(tokens), list(rows)], dtype=torch.int32).to(self.device)
-            return self._decode_body(io[0], io[1], B, B <= self.small_batch)
+            idx = torch.tensor(list(rows), dtype=torch.int32).to(self.device)
+            tok = tokens.to(torch.int32) if on_device else torch.tensor(list(tokens), dtype=torch.int32).to(self.device)
+            if feed is not None:
+                idx = idx.masked_fill(~feed, self.scratch)
+            return self._decode_body(tok, idx, B, B <= self.small_batch)
         bucket = next(b for b in self.buckets if b >= B)
         graph, io, logits = self._graph(bucket)
         host = torch.empty(2, bucket, dtype=torch.int32, pin_memory=True)  # torch's cached pinned blocks
         host[0].zero_()
         host[1].fill_(self.scratch)
-        host[0, :B] = torch.tensor(tokens, dtype=torch.int32)
+        if not on_device:
+            host[0, :B] = torch.tensor(tokens, dtype=torch.int32)
         host[1, :B] = torch.tensor(rows, dtype=torch.int32)
         io.copy_(host, non_blocking=True)  # pinned: a true async copy (pageable memory may sync)
+        if on_device:
+            io[0, :B].copy_(tokens)
+        if feed is not None:
+            io[1, :B].masked_fill_(~feed, self.scratch)
         graph.replay()
         return logits[:B].clone()  # the graph's buffer is rewritten by the next replay
 

@@ -6,7 +6,8 @@ sampling or caching: the batcher decides which rows move, the runner moves them.
 
 Contract shared by every runner (CPU reference here, the CUDA runner in cuda_runner.py):
     prefill(rows, chunks) -> logits [len(rows), V] fp32, each row's logits after its chunk
-    decode(rows, tokens)  -> logits [len(rows), V] fp32, one token per row
+    decode(rows, tokens, feed=None) -> logits [len(rows), V] fp32, one token per row (tokens may
+        be a device tensor; a row where the bool tensor feed is False stays as it was)
     read_state(slot) -> RNNState (1 row, a copy);  write_state(slot, state);  reset(slot)
     warm_up(progress)  compiles and captures what serving would otherwise wait for (before requests)
 A slot's state is always the model's state after the tokens it has consumed.
@@ -82,9 +83,18 @@ class ModelRunner(SlotStates):
         self.states.put(rows, state)
         return logits
 
-    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> Tensor:
-        """Advances each row by one token."""
-        return self.prefill(rows, [[t] for t in tokens])
+    def decode(self, rows: Sequence[int], tokens: Sequence[int] | Tensor, feed: Tensor | None = None) -> Tensor:
+        """Advances each row by one token (tokens: a list, or a tensor such as the sampler's). feed
+        (bool [len(rows)]): where False, the row is not advanced and its logits are undefined."""
+        self._check_rows(rows, len(tokens))
+        tokens = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        if feed is None:
+            return self.prefill(rows, [[t] for t in tokens])
+        fed = [i for i, go in enumerate(feed.tolist()) if go]
+        logits = torch.zeros(len(rows), self.vocab_size, device=self.device)
+        if fed:
+            logits[fed] = self.prefill([rows[i] for i in fed], [[tokens[i]] for i in fed])
+        return logits
 
     def warm_up(self, progress: Callable[[str], None] = lambda _: None) -> None:
         """Nothing to compile or capture on the CPU (the CUDA runner's warm_up does both)."""

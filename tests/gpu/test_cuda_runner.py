@@ -176,6 +176,30 @@ def test_decode_steps_reading_every_hidden_unit(pair, batch, monkeypatch):
     test_decode_steps(pair, batch)
 
 
+@pytest.mark.parametrize("batch", [2, 6, 8])
+def test_decode_of_device_tokens_feeds_only_the_rows_it_is_told(pair, batch):
+    """The engine's decode: tokens on the device (the sampler's, not yet read), and a feed mask; a
+    row where it is False writes the scratch slot and keeps its own state (every path: 2 and 6
+    rows on the gemv paths, 8 with small_batch 4 on cuBLAS; a graph replayed from the second)."""
+    runner, ref = pair
+    runner.small_batch = 4 if batch == 8 else 16
+    slots = list(range(batch))
+    feed = [i % 3 != 1 for i in range(batch)]
+    fed = [s for s, go in zip(slots, feed, strict=True) if go]
+    for step in range(3 if CUDA else 1):
+        start_from_random_states(runner, ref, slots, seed=70 + step)
+        before = {s: runner.read_state(s) for s, go in zip(slots, feed, strict=True) if not go}
+        toks = tokens(batch, ref.vocab_size, 80 + step)
+        ours = runner.decode(slots, torch.tensor(toks, device=DEVICE), torch.tensor(feed, device=DEVICE))
+        theirs = ref.decode(fed, [t for t, go in zip(toks, feed, strict=True) if go])
+        assert rel_err(ours[torch.tensor(feed, device=DEVICE)], theirs) <= TOLERANCE, f"step {step}"
+        assert_states_close(runner, ref, fed)
+        for s, state in before.items():
+            for a, b in zip(runner.read_state(s).tensors(), state.tensors(), strict=True):
+                assert torch.equal(a, b)
+    runner.small_batch = 16
+
+
 def test_mixed_step_and_untouched_slots(pair):
     """Prefill rows and decode rows of one engine step; other slots keep their bits."""
     runner, ref = pair

@@ -585,3 +585,24 @@ def test_runner_state_matches_consumed_tokens_after_a_stop_string(parts):
         assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
     finally:
         engine.stop()
+
+
+def test_runner_state_matches_consumed_tokens_after_an_end_token(parts):
+    """The decode is queued with the sampled tokens before the host reads them; a row whose token
+    is one of its end tokens is not fed it: the state published is the model's after prompt +
+    every generated token but the end token."""
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=1)
+    try:
+        prompt = tok.encode(PROMPTS[0])
+        free = run(collect(engine, Request(prompt, GREEDY)))
+        i = next(i for i in range(4, len(free.tokens) - 2) if free.tokens.index(free.tokens[i]) == i)
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(free.tokens[i],))
+        result = run(collect(engine, Request(prompt, params)))
+        settle(engine)
+        assert result.finished.reason == "stop" and result.tokens == free.tokens[: i + 1]
+        ours = engine.call(lambda: engine.runner.read_state(0))
+        ref = _state_after(parts, prompt + result.tokens[:-1])
+        assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.stop()

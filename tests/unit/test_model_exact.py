@@ -120,6 +120,23 @@ def test_rows_not_touched_keep_their_state(pair):
     assert all(torch.equal(a, b) for a, b in zip(before.tensors(), after.tensors(), strict=True))
 
 
+def test_decode_of_a_token_tensor_feeds_only_the_rows_it_is_told(pair):
+    """decode(rows, tokens, feed): tokens as a tensor (the sampler's); a row where feed is False
+    keeps its state, the others advance as a decode of them alone does."""
+    runner, reference = pair
+    chunks = [prompt(n, runner.vocab_size, 20 + n) for n in (3, 5, 2)]
+    rows = [1, 3, 0]
+    for slot in range(4):
+        runner.reset(slot)
+    runner.prefill(rows, chunks)
+    before = runner.read_state(3)
+    ours = runner.decode(rows, torch.tensor([5, 6, 7]), torch.tensor([True, False, True]))
+    assert all(torch.equal(a, b) for a, b in zip(before.tensors(), runner.read_state(3).tensors(), strict=True))
+    for i in (0, 2):
+        ref, _ = reference_run(reference, chunks[i] + [(5, 6, 7)[i]])
+        assert rel_err(ours[i], ref) <= TOLERANCE
+
+
 def test_bad_rows_are_refused(pair):
     runner, _ = pair
     with pytest.raises(ValueError):

@@ -81,6 +81,22 @@ def test_logprobs_are_log_softmax_with_the_top_alternatives():
     assert out.logprobs[1] is None
 
 
+def test_a_choice_gives_its_tokens_before_they_are_read():
+    """choose(): the tokens as a tensor (what the engine feeds the model) are the ones result()
+    reads, with the same logprobs; penalties count each chosen token once."""
+    x = logits(4, 5)
+    params = [SamplingParams(top_p=0.8, logprobs=2), SamplingParams(temperature=0.0, presence_penalty=1.0),
+              SamplingParams(top_k=3, frequency_penalty=0.5, logprobs=0), SamplingParams()]
+    sampler = Sampler(4, V)
+    chosen = sampler.choose(x, [0, 1, 2, 3], params, [0.3, 0.5, 0.7, 0.9])
+    out = chosen.result()
+    assert chosen.tokens.tolist() == out.tokens
+    assert sampler.counts.sum(1).tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert sampler.counts[1, out.tokens[1]] == 1.0 and sampler.counts[2, out.tokens[2]] == 1.0
+    again = Sampler(4, V).sample(x, [0, 1, 2, 3], params, [0.3, 0.5, 0.7, 0.9])
+    assert again == out and out.logprobs[0].top and out.logprobs[2].top == () and out.logprobs[3] is None
+
+
 @pytest.mark.parametrize("bad", [
     {"temperature": 3.0}, {"top_p": 0.0}, {"top_k": -1}, {"max_tokens": 0}, {"presence_penalty": 5.0},
     {"stop": ("",)}, {"logprobs": 21}, {"logit_bias": {V: 1.0}}, {"logit_bias": {1: 500.0}},
