@@ -103,7 +103,7 @@ class Chosen:
         self._params = params
         self._rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         parts = [tokens]
-        if self._rows:  # x: the row's logits with the biases and penalties applied
+        if self._rows:  # x: the rows' logits with the biases and penalties applied
             index = upload(self._rows, x.device)
             logp = torch.log_softmax(x[index], dim=-1)
             parts.append(logp.gather(1, tokens[index][:, None])[:, 0])
