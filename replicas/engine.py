@@ -539,7 +539,7 @@ class Engine:
         """Feeds the sampled rows that max_tokens does not end their tokens (`tokens`, one a row, on
         the device and not yet read by the host), but not a row whose token is one of its end
         tokens: its slot stays as it was. The rows fed and the call's logits, or None."""
-        fed = [i for i, row in enumerate(rows) if row.output.count + 1 < row.request.params.max_tokens]
+        fed = [i for i, row in enumerate(rows) if row.output.may_go_on()]
         if not fed:
             return None
         if len(fed) < len(rows):

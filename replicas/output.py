@@ -31,10 +31,15 @@ class OutputStream:
         self.held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.count = 0  # tokens sampled so far, end tokens included
 
+    def may_go_on(self) -> bool:
+        """Whether max_tokens leaves room after the next token (before push); its token can still
+        end the row (goes_on)."""
+        return self.count + 1 < self.params.max_tokens
+
     def goes_on(self, token: int) -> bool:
         """Whether the row may go on after this token (before push): False when push will end it
         by an end token or max_tokens; a stop string can still end it where this says True."""
-        return token not in self.end_tokens and self.count + 1 < self.params.max_tokens
+        return token not in self.end_tokens and self.may_go_on()
 
     def push(self, token: int) -> Step:
         """Takes the next sampled token (every row, every step: without stop strings, no search)."""
