@@ -16,7 +16,10 @@ token ids are mapped to their text and bytes here).
              in the replica, the ingress and the proxy; docs/serving.md, "Streaming over HTTP");
     last     Chunk(finish_reason, usage), possibly with the last text.
 A caller that stops iterating (the ingress cancels the call when its client goes) cancels the
-request's row in the engine.
+request's row in the engine. With `holder` (the router's: another replica last took the prompt's
+longest prefix, of so many tokens), the replica first asks that replica for the prefix's state
+(`export_state`, through its own deployment's router) and caches it, when that saves prefilling
+`state_move_min_tokens` or more; a failure or a wait past STATE_MOVE_TIMEOUT_S prefills instead.
 
 The registry is reached through `connect_registry(app_name)`, which returns an actor handle with
 `catalog() -> (version, [ {id, name, default, version, ref} ])`, `wait_version(known, timeout)`,
@@ -53,6 +56,7 @@ from .engine_process import ENGINE_ENDED, EngineProcess, EngineUnavailable
 from .init_states import InitState, state_from_bytes
 from .model.loader import open_tokenizer
 from .sampling import InvalidRequest, TokenLogprob
+from .state_cache import Snapshot
 from .tokenizer import Tokenizer
 
 # A child of Serve's logger: Serve sends it to the replica's log file and, under `rwkv-fleet serve`,
@@ -64,6 +68,9 @@ HEALTH_TIMEOUT_S = 20.0  # the engine thread must answer a ping within this (a s
 # flight have their 503s out (`Replica._engine_failed`).
 FAILED_ENGINE_GRACE_S = 1.0
 LOCAL = "local"  # the replica's id and application outside Ray Serve (tests, tools)
+# How long a request waits for a prefix's state from the replica that holds it before it is
+# prefilled here instead (that replica's engine answers between two of its steps).
+STATE_MOVE_TIMEOUT_S = 2.0
 
 
 class ReplicaConfig(BaseModel):
@@ -74,6 +81,9 @@ class ReplicaConfig(BaseModel):
     stream_tokens: int = 64
     stream_chunks_per_s: float = 1000.0
     metrics_interval_s: float = 1.0
+    # a request whose prompt's longest prefix is held by another replica takes that prefix's state
+    # from there when it would prefill at least this many tokens more here; None: never
+    state_move_min_tokens: int | None = 256
 
 
 # -- what crosses the process boundary --------------------------------------------------------
@@ -135,6 +145,8 @@ class Replica:
         self.registry = connect_registry(app_name) if connect_registry else None
         self.catalog_version: int | None = None
         self.load_errors = 0
+        self.state_move_failures = 0  # states asked of another replica and not moved here
+        self._peer_handle = None
         self._streams = 0  # requests streaming now
         self._sync_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -143,7 +155,11 @@ class Replica:
             self._tasks = [asyncio.create_task(self._follow_catalog()), asyncio.create_task(self._push_metrics())]
         log.info("replica %s ready: %s on %s", self.replica_id, self.card.name, config.device)
 
-    async def generate(self, request: Request) -> AsyncIterator[Chunk]:
+    async def generate(self, request: Request, holder: tuple[str, int] | None = None) -> AsyncIterator[Chunk]:
+        """`holder`: (replica id, prefix tokens) of the replica that last took the longest prefix
+        of the prompt, as the router knows it (serve_app/router.py)."""
+        if holder is not None and holder[0] != self.replica_id:
+            await self._take_state(request, *holder)
         try:
             stream = await self._submit(request)
         except (InvalidRequest, UnknownInitState, EngineBusy, EngineUnavailable) as err:
@@ -157,6 +173,48 @@ class Replica:
         finally:
             self._streams -= 1
             stream.cancel()  # a no-op when the request finished; else it frees the row
+
+    async def export_state(self, holder: str, namespace: str, prompt: list[int]) -> tuple[Snapshot | None, int]:
+        """The longest cached prefix of prompt in a cache namespace: (a host copy of its
+        snapshot, its length), or (None, 0). `holder` is this replica's id: the router sends the
+        call here by it."""
+        return await asyncio.to_thread(self.engine.export_prefix, namespace, prompt)
+
+    async def _take_state(self, request: Request, holder: str, length: int) -> None:
+        """Moves the state of the prompt's longest prefix here from `holder` into this engine's
+        cache when this engine would otherwise prefill `state_move_min_tokens` or more of it. Any
+        failure (the holder gone, busy past STATE_MOVE_TIMEOUT_S, the prefix evicted) leaves the
+        request to be prefilled here, as it would have been."""
+        least = self.config.state_move_min_tokens
+        if least is None or length < least or self.replica_id == LOCAL:
+            return
+        call = None
+        try:
+            namespace, held = await asyncio.to_thread(self.engine.held_prefix, request.init_state, request.prompt)
+            if length - held < least:
+                return
+            call = self._peers().export_state.remote(holder, namespace, list(request.prompt))
+            snapshot, moved = await asyncio.wait_for(_result(call), STATE_MOVE_TIMEOUT_S)
+            if snapshot is not None and moved - held >= least:
+                await asyncio.to_thread(self.engine.import_prefix, namespace, request.prompt[:moved], snapshot)
+                return
+        except (UnknownInitState, EngineUnavailable):
+            return  # the request's submit answers it
+        except Exception as err:
+            if call is not None:
+                call.cancel()
+            log.warning("replica %s: moving a state from %s failed: %r", self.replica_id, holder, err)
+        self.state_move_failures += 1
+
+    def _peers(self):
+        """A handle to this replica's own deployment (its calls go through the router, which sends
+        an `export_state` call to the replica it names)."""
+        if self._peer_handle is None:
+            from ray import serve  # noqa: PLC0415
+
+            context = serve.get_replica_context()
+            self._peer_handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return self._peer_handle
 
     def _engine_failed(self) -> None:
         """The engine's process ended unasked (it crashed, or was killed): this replica can serve
@@ -272,6 +330,7 @@ class Replica:
         try:
             stats = await asyncio.to_thread(self.engine.snapshot_stats)
             stats["counters"]["init_state_load_errors"] = self.load_errors
+            stats["counters"]["state_move_failures"] = self.state_move_failures
             await self.registry.report.remote(
                 self.replica_id, stats, self.catalog_version, self.config.metrics_interval_s)
         except asyncio.CancelledError:
@@ -345,6 +404,10 @@ def _refusal(err: Exception) -> ReplicaError:
     if isinstance(err, UnknownInitState):
         return ReplicaError(404, str(err), "init_state_not_found")
     return ReplicaError(400, str(err))
+
+
+async def _result(call: Any) -> Any:
+    return await call
 
 
 def _replica_identity() -> tuple[str, str]:

@@ -257,7 +257,7 @@ class _Row:
 
     @property
     def namespace(self) -> str:
-        return self.init.namespace if self.init else ZERO_NAMESPACE
+        return _namespace(self.init)
 
     @property
     def prompt_len(self) -> int:
@@ -373,6 +373,26 @@ class Engine:
     def unload_init_state(self, state_id: str) -> bool:
         return self.call(lambda: self._drop_init_state(state_id))
 
+    # A prefix's state moves between engines (replicas) as a host Snapshot: the engine that takes
+    # a request asks the one that holds its longest prefix for it (replicas/deployment.py).
+
+    def held_prefix(self, init_state: str | None, prompt: Sequence[int]) -> tuple[str, int]:
+        """(the cache namespace of a request naming init_state, the length of the longest prefix
+        of prompt cached there); raises UnknownInitState."""
+        namespace = _namespace(self.resolve_init_state(init_state))
+        return namespace, self.call(lambda: self.cache.longest(namespace, prompt))
+
+    def export_prefix(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
+        """A host copy of the longest cached prefix of prompt in namespace, and its length."""
+        return self.call(lambda: self._export(namespace, prompt))
+
+    def import_prefix(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
+        """Caches another engine's snapshot of tokens; False if it does not fit this model or the
+        namespace is not (or no longer) this engine's."""
+        fits = (snapshot.state.rows == 1 and snapshot.state.fits(self.runner.config)
+                and tuple(snapshot.logits.shape) == (self.runner.vocab_size,))
+        return fits and self.call(lambda: self._import(namespace, tuple(tokens), snapshot))
+
     def snapshot_stats(self) -> dict:
         """Counters, slot occupancy and cache metrics, read on the engine thread."""
         return self.call(self._stats_now)
@@ -469,6 +489,8 @@ class Engine:
 
     def _load_start_state(self, row: _Row, continued: tuple[int, ...] | None) -> None:
         prompt = list(row.request.prompt)
+        if continued is not None and self.cache.longest(row.namespace, prompt) > len(continued):
+            continued = None  # a longer prefix is cached (one moved here from another replica, say)
         if continued is not None:  # the slot already holds the state after `continued`
             start = len(continued)
             self.stats["continued_tokens"] += start
@@ -691,6 +713,20 @@ class Engine:
                 self._idle_logits.pop(slot.index, None)
         self.slots.forget(namespace)
 
+    def _export(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
+        snapshot, length = self.cache.export(namespace, prompt)
+        if snapshot is not None:
+            self.stats["states_moved_out"] += 1
+        return snapshot, length
+
+    def _import(self, namespace: str, tokens: tuple[int, ...], snapshot: Snapshot) -> bool:
+        known = namespace == ZERO_NAMESPACE or any(s.namespace == namespace for s in self.init_states.values())
+        if not known or not self.cache.insert(namespace, tokens, snapshot):
+            return False
+        self.stats["states_moved_in"] += 1
+        self.stats["state_tokens_moved_in"] += len(tokens)
+        return True
+
     def _stats_now(self) -> dict:
         return {
             "slots": {
@@ -715,6 +751,10 @@ class Engine:
             assert self._in_flight >= len(self._rows)
         assert all(self.slots.slots[s].phase is Phase.IDLE for s in self._idle_logits)
         self.cache.check_integrity()
+
+
+def _namespace(init: InitState | None) -> str:
+    return init.namespace if init else ZERO_NAMESPACE
 
 
 def _feed(rows: list[_Row], tokens: Tensor) -> Tensor | None:

@@ -16,12 +16,13 @@ step's events in one):
                         Event), ...]) a step's events, one message · ("reply", cid, ok, value)
 
 `EngineProcess` is the replica's side: the caller-side methods of Engine (submit, cancel,
-init states, stats, ping, stop), so a request's stream is the same RequestStream. It checks a
-request and refuses one when busy before anything crosses, as Engine.submit does. The engine's
-side ends when its socket closes (the replica's process is gone: Ray kills it without asking) or
-on "stop"; when it ends unasked, every request in flight gets Finished("error"), new ones and
-calls EngineUnavailable (HTTP 503), and `on_failure` is called: the replica ends itself, so that
-Serve replaces it (replicas/deployment.py; its health check would fail too).
+init states, prefix states moved between replicas, stats, ping, stop), so a request's stream is
+the same RequestStream. It checks a request and refuses one when busy before anything crosses, as
+Engine.submit does. The engine's side ends when its socket closes (the replica's process is gone:
+Ray kills it without asking) or on "stop"; when it ends unasked, every request in flight gets
+Finished("error"), new ones and calls EngineUnavailable (HTTP 503), and `on_failure` is called:
+the replica ends itself, so that Serve replaces it (replicas/deployment.py; its health check would
+fail too).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,6 +58,7 @@ from .engine import (
 )
 from .init_states import InitState
 from .model.config import ModelCard, ModelConfig
+from .state_cache import Snapshot
 
 log = logging.getLogger("ray.serve.rwkv_fleet.engine")  # a child of Serve's: the replica's log file
 
@@ -171,6 +173,15 @@ class EngineProcess:
     def unload_init_state(self, state_id: str) -> bool:
         dropped, self.init_states = self._call("unload_init_state", state_id)
         return dropped
+
+    def held_prefix(self, init_state: str | None, prompt: Sequence[int]) -> tuple[str, int]:
+        return self._call("held_prefix", init_state, list(prompt))
+
+    def export_prefix(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
+        return self._call("export_prefix", namespace, list(prompt))
+
+    def import_prefix(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
+        return self._call("import_prefix", namespace, list(tokens), snapshot)
 
     def snapshot_stats(self) -> dict:
         stats = self._call("snapshot_stats")
@@ -357,6 +368,9 @@ _CALLS = {
     "load_init_state": _load,
     "unload_init_state": _unload,
     "snapshot_stats": Engine.snapshot_stats,
+    "held_prefix": Engine.held_prefix,
+    "export_prefix": Engine.export_prefix,
+    "import_prefix": Engine.import_prefix,
     "check_integrity": Engine.check_integrity,
 }
 

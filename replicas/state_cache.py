@@ -298,8 +298,7 @@ class PrefixStateCache:
 
     def contains(self, namespace: str, tokens: Sequence[int]) -> bool:
         """Whether exactly this prefix is cached. Changes nothing, counts nothing."""
-        trie = self.tries.get(namespace)
-        return bool(tokens) and trie is not None and trie.longest(tuple(tokens))[1] == len(tokens)
+        return bool(tokens) and self.longest(namespace, tokens) == len(tokens)
 
     def insert(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
         """Caches a snapshot (the cache keeps it; the caller hands over ownership).
@@ -337,16 +336,22 @@ class PrefixStateCache:
             torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
             self._places = _PinnedPlaces(self.budget[HOST])  # the old one's finalizer unpins its slabs
 
-    def export(self, namespace: str, tokens: Sequence[int]) -> Snapshot | None:
-        """A host copy of exactly this prefix's snapshot, to move it elsewhere. Counts nothing."""
+    def longest(self, namespace: str, tokens: Sequence[int]) -> int:
+        """The length of the longest cached prefix of tokens (0: none). Changes nothing, counts nothing."""
+        trie = self.tries.get(namespace)
+        return trie.longest(tuple(tokens))[1] if trie else 0
+
+    def export(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
+        """A host copy of the longest cached prefix's snapshot, to move it to another engine, and
+        its length; (None, 0) if none. Counts nothing, moves nothing between tiers."""
         trie = self.tries.get(namespace)
         entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
-        if entry is None or length != len(tokens):
-            return None
+        if entry is None:
+            return None, 0
         snapshot = entry.snapshot
         snapshot.wait()
         return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),
-                        snapshot.logits.to("cpu", copy=True))
+                        snapshot.logits.to("cpu", copy=True)), length
 
     def keys(self) -> list[tuple[str, int]]:
         """(key, prefix length) of every snapshot held: the summary a router can read."""

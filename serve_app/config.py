@@ -94,6 +94,10 @@ class AppConfig(BaseModel):
     state_affinity: bool = Field(
         True, description="send a request to the replica that last took the longest prefix of its prompt (its state "
         "is likely cached there) while it has a free slot; false: Ray Serve's default router")
+    state_move_min_tokens: int | None = Field(
+        256, ge=1, description="with state_affinity, a request sent to another replica than the one holding its "
+        "prompt's longest prefix (that one had no free slot) takes the prefix's state from it when that saves "
+        "prefilling at least this many tokens; null: never")
 
     ingress_replicas: int | None = Field(
         None, ge=1, description="HTTP-side replicas; None: enough for `ingress_streams` requests each when every model "
@@ -129,7 +133,7 @@ class AppConfig(BaseModel):
             model_dir=self.model, device=device, engine=self.engine,
             stream_delay_s=self.stream.max_delay_ms / 1000, stream_tokens=self.stream.max_tokens,
             stream_chunks_per_s=self.stream.max_chunks_per_s,
-            metrics_interval_s=self.metrics_interval_s,
+            metrics_interval_s=self.metrics_interval_s, state_move_min_tokens=self.state_move_min_tokens,
         )
 
     def replica_options(self, num_gpus: float) -> dict[str, Any]:

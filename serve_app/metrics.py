@@ -29,6 +29,10 @@ _HELP = {
     "cache_hits": "prefix-cache hits",
     "cache_misses": "prefix-cache misses",
     "cache_hit_tokens": "prompt tokens whose state came from the prefix cache",
+    "states_moved_in": "prefix states taken from other replicas",
+    "state_tokens_moved_in": "prompt tokens whose state was taken from another replica",
+    "states_moved_out": "prefix states given to other replicas",
+    "state_move_failures": "prefix states asked of another replica and not taken (prefilled instead)",
     "cache_device_bytes": "prefix-cache bytes in device memory",
     "cache_host_bytes": "prefix-cache bytes in host memory",
 }

@@ -23,6 +23,11 @@ costs more than that. Otherwise it goes to two of the other replicas at random (
 neither takes it), and when no prefix is recorded, to the default's two replicas at random. The
 record can be wrong (a replica evicted the state, restarted, or a routing elsewhere has not been
 shared yet): then the request is prefilled there as it would be anywhere.
+
+Wherever a request with a recorded prefix goes, it carries the holder and the prefix's length
+(the `holder` argument of Replica.generate): a replica other than the holder takes the prefix's
+state from it (Replica.export_state, a call this router sends to the replica it names) when that
+saves prefilling `state_move_min_tokens` or more (replicas/deployment.py).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None and pending_request.metadata.call_method == "export_state":
+            # a replica asking the holder of a prefix for its state: the call names the holder
+            holder = pending_request.args[0]
+            return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == holder]]
         if self._sharing is None and self._sync_s > 0:  # (started here: the router's own event loop)
             loop = asyncio.get_running_loop()
             self._first_trade = loop.create_future()
@@ -77,9 +86,11 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             await asyncio.wait([self._first_trade], timeout=FIRST_TRADE_WAIT_S)
         if not candidate_replicas:
             return []
-        best = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
+        best, length = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
         if best is None:
             return [two_at_random(candidate_replicas)]
+        # wherever the request lands, that replica can take the prefix's state from its holder
+        pending_request.kwargs["holder"] = (best.replica_id.unique_id, length)
         if self._replica_queue_len_cache.get(best.replica_id) is None:
             # not heard of lately (Ray Serve forgets a queue length after 10 s): asked, not taken as 0,
             # which would send the request to wait behind a full batch
@@ -141,14 +152,15 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             if not self._first_trade.done():
                 self._first_trade.set_result(None)
 
-    def _holder(self, candidates: Sequence[RunningReplica], keys: list[int]) -> RunningReplica | None:
-        """The candidate that last took the longest of these prefixes, if any did."""
+    def _holder(self, candidates: Sequence[RunningReplica], keys: list[int]) -> tuple[RunningReplica | None, int]:
+        """The candidate that last took the longest of these prefixes, and that prefix's tokens;
+        (None, 0) if none did."""
         by_id = {replica.replica_id.unique_id: replica for replica in candidates}
-        for key in reversed(keys):
-            owner = self._owner.get(key)
+        for n in range(len(keys), 0, -1):
+            owner = self._owner.get(keys[n - 1])
             if owner in by_id:
-                return by_id[owner]
-        return None
+                return by_id[owner], n * self._block
+        return None, 0
 
     def _may_wait_on(self, holder: RunningReplica, candidates: Sequence[RunningReplica]) -> bool:
         """The holder has a free slot, or no replica is less busy (a holder whose queue is not

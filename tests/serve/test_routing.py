@@ -71,17 +71,24 @@ def test_so_they_do_through_either_of_two_ingress_replicas(two_ingresses):
     assert all(got >= before for got, before in cached), cached
 
 
-def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
-    """A thread's prefix is on one replica; four long requests extending it fill that replica's
-    slots (they go there while it has a free slot). The thread's next turn then goes to the other
-    replica, idle, where nothing of it is cached."""
+def test_a_holder_without_a_free_slot_is_passed_over_and_gives_its_state(served, client):
+    """Two threads' prefixes are on one replica (the longer extends the shorter, so it went there
+    too); four long requests extending the longer fill that replica's slots (they go there while it
+    has a free slot). Each thread's next turn then goes to the other replica, idle. The shorter's
+    96 cached tokens are under `state_move_min_tokens` (256): prefilled there. The longer's 288 are
+    moved from the holder, and the first token's log-probability is the model's own."""
+    base_url, config = served
+    assert config.state_move_min_tokens == 256
     rng = random.Random(6)
-    prompt = [rng.randrange(300, 60000) for _ in range(96)]
-    assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    short = [rng.randrange(300, 60000) for _ in range(96)]
+    long = short + [rng.randrange(300, 60000) for _ in range(192)]
+    for prompt in (short, long):
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    before = _moves(client)
     started, stop = [], threading.Event()
 
     def long_request(i: int) -> None:
-        body = {"prompt": prompt + [1000 + i], "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        body = {"prompt": long + [1000 + i], "max_tokens": 100000, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
             for _ in r.iter_lines():
                 if not started.count(i):
@@ -97,12 +104,41 @@ def test_a_holder_without_a_free_slot_is_passed_over(base_url, client):
         # past the age at which Ray Serve's routers forget a replica's queue length: the holder must
         # not look free for being unheard of
         time.sleep(QUEUE_LENGTH_FORGOTTEN_S)
-        body = client.post("/v1/completions", json={"prompt": prompt + [7] * 40, "max_tokens": 1}).json()
+        body = client.post("/v1/completions", json={"prompt": short + [7] * 40, "max_tokens": 1}).json()
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        turn = long + [7] * 40
+        body = client.post("/v1/completions", json={"prompt": turn, "max_tokens": 1, "temperature": 0,
+                                                    "logprobs": 1}).json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(long)
     finally:
         stop.set()
         for w in workers:
             w.join()
+    moved = wait_for(lambda: (m := _moves(client))["states_moved_in"] > before["states_moved_in"]
+                     and m["states_moved_out"] > before["states_moved_out"] and m,
+                     what="the move in both replicas' metrics")
+    assert moved["states_moved_in"] - before["states_moved_in"] == 1
+    assert moved["state_tokens_moved_in"] - before["state_tokens_moved_in"] == len(long)
+    assert moved["states_moved_out"] - before["states_moved_out"] == 1
+    assert moved["state_move_failures"] == before["state_move_failures"]
+    first = body["choices"][0]["logprobs"]["token_logprobs"][0]
+    assert first == pytest.approx(_best_logprob(config.model, turn), abs=1e-4)
+
+
+def _moves(client: httpx.Client) -> dict[str, int]:
+    counters = client.get("/v1/stats").json()["total"]["counters"]
+    return {k: counters.get(k, 0) for k in ("states_moved_in", "state_tokens_moved_in", "states_moved_out",
+                                             "state_move_failures")}
+
+
+def _best_logprob(model_dir, prompt: list[int]) -> float:
+    """The greedy next token's log-probability after prompt, by the model run here from zeros."""
+    import torch
+
+    from replicas.model.loader import open_model
+
+    runner, _, _ = open_model(model_dir, max_slots=1, device="cpu")
+    return torch.log_softmax(runner.prefill([0], [prompt])[0].double(), -1).max().item()
 
 
 def test_the_registry_passes_each_router_the_others_routings(served):

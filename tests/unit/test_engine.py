@@ -447,6 +447,55 @@ def test_a_failing_model_call_fails_its_rows_and_the_engine_goes_on(parts):
         engine.stop()
 
 
+def test_a_prefix_state_moved_to_another_engine_continues_there_as_at_home(parts):
+    """Engine A runs a prompt; B takes the state of its longest cached prefix from A (as one replica
+    from another) and runs a longer prompt from it: the same tokens as a cold engine, its prefix
+    counted as cached. A state of another namespace, or one that does not fit, is not taken."""
+    tok = parts[1]
+    base = tok.encode("".join(PROMPTS))[:100]
+    turn = base + tok.encode("\n    return None\n")
+    home, away, cold = make_engine(parts), make_engine(parts), make_engine(parts)
+    try:
+        run(collect(home, Request(base, SamplingParams(max_tokens=1, temperature=0.0))))
+        settle(home)
+        namespace, held = away.held_prefix(None, turn)
+        assert (namespace, held) == ("", 0)
+        snapshot, length = home.export_prefix(namespace, turn)
+        assert length == len(base) and home.held_prefix(None, turn) == ("", len(base))
+        assert not away.import_prefix("st-unknown", turn[:length], snapshot)
+        wrong = type(snapshot)(RNNState.zeros(parts[0].config, 2), snapshot.logits)
+        assert not away.import_prefix(namespace, turn[:length], wrong)
+        assert away.import_prefix(namespace, turn[:length], snapshot)
+        moved = run(collect(away, Request(turn, GREEDY)))
+        assert moved.started.cached_tokens == len(base)
+        assert moved.tokens == run(collect(cold, Request(turn, GREEDY))).tokens
+        stats = settle(away)["counters"]
+        assert stats["states_moved_in"] == 1 and stats["state_tokens_moved_in"] == len(base)
+        assert settle(home)["counters"]["states_moved_out"] == 1
+    finally:
+        for engine in (home, away, cold):
+            engine.stop()
+
+
+def test_a_longer_cached_prefix_wins_over_a_continued_slot(parts):
+    """An idle slot holds a short prefix of the prompt, the cache (a moved state, say) a longer one:
+    the request starts from the longer."""
+    tok = parts[1]
+    prompt = tok.encode("".join(PROMPTS))[:120]
+    engine, donor = make_engine(parts, max_slots=1), make_engine(parts)
+    try:
+        run(collect(engine, Request(prompt[:20], SamplingParams(max_tokens=1, temperature=0.0))))
+        run(collect(donor, Request(prompt[:90], SamplingParams(max_tokens=1, temperature=0.0))))
+        settle(donor)
+        assert engine.import_prefix("", prompt[:90], donor.export_prefix("", prompt)[0])
+        result = run(collect(engine, Request(prompt, GREEDY)))
+        assert result.started.cached_tokens == 90
+        settle(engine)
+    finally:
+        engine.stop()
+        donor.stop()
+
+
 def _state_after(parts, tokens) -> RNNState:
     from replicas.model.runner import ModelRunner
 

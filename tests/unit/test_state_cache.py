@@ -59,8 +59,9 @@ def test_replace_export_and_drop_namespace():
     cache.insert("a", [1, 2], snap(2))  # same key: replaced, bytes counted once
     cache.insert("b", [1, 2], snap(3))
     assert cache.metrics.bytes["device"] == 2 * SIZE
-    exported = cache.export("a", [1, 2])
-    assert exported.logits[0].item() == 2 and cache.export("a", [1]) is None
+    exported, n = cache.export("a", [1, 2, 3])  # the longest cached prefix
+    assert n == 2 and exported.logits[0].item() == 2 and cache.export("a", [1]) == (None, 0)
+    assert cache.longest("a", [1, 2, 3]) == 2 and cache.longest("c", [1, 2]) == 0
     cache.drop_namespace("a")
     assert cache.match("a", [1, 2])[0] is None and cache.match("b", [1, 2])[1] == 2
     assert {key for key, _ in cache.keys()} == {prefix_key("b", [1, 2])}
