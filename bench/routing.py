@@ -11,10 +11,15 @@ later turns found the previous prompt's state cached, the share of their prompt 
 from a cache, and their latency.
 
     python bench/routing.py [--replicas 2] [--ingress 1] [--threads 8] [--turns 3] [--prefix 1000]
-                            [--step 100] [--concurrent]
+                            [--step 100] [--concurrent] [--full-holder [--slots 2]]
 
 With --ingress 2 the HTTP side has two replicas, each routing about half the requests (the
 state-affinity routers share their records through the registry).
+
+With --full-holder, the state-affinity router twice, with and without moving states: each thread's
+first prompt runs, then long requests extending it fill the slots of the replica that took it
+(--slots per replica), and the thread's next turn goes to another replica, which takes the prefix's
+state from the holder (`state_move_min_tokens` 1) or prefills it all (null).
 
 Prints progress to stderr and a Markdown table to stdout.
 """
@@ -79,6 +84,43 @@ async def run_threads(url: str, args) -> dict:
             "mean": statistics.mean(latency), "p50": statistics.median(latency), "max": max(latency)}
 
 
+async def long_request(client: httpx.AsyncClient, prompt: list[int], streaming: asyncio.Event) -> None:
+    """A request that streams until cancelled; `streaming` is set at its first line."""
+    body = {"prompt": prompt, "max_tokens": 100000, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for _ in response.aiter_lines():
+            streaming.set()
+
+
+async def run_full_holder(url: str, args) -> dict:
+    """Each thread's later turn while the replica holding its first prompt has every slot taken by
+    long requests extending that prompt: figures of those turns."""
+    rng = random.Random(args.seed)
+    found, cached, total, latency = 0, 0, 0, []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for thread in range(args.threads):
+            prompt = [rng.randrange(300, 4000) for _ in range(args.prefix)]
+            (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})).raise_for_status()
+            streaming = [asyncio.Event() for _ in range(args.slots)]
+            fillers = [asyncio.create_task(long_request(client, prompt + [5 + i], streaming[i]))
+                       for i in range(args.slots)]
+            await asyncio.gather(*(event.wait() for event in streaming))
+            await asyncio.sleep(10.5)  # past Ray Serve's memory of queue lengths: the holder is known full
+            turn = prompt + [rng.randrange(300, 4000) for _ in range(args.step)]
+            start = time.perf_counter()
+            response = await client.post("/v1/completions", json={"prompt": turn, "max_tokens": 1})
+            latency.append((time.perf_counter() - start) * 1e3)
+            hit = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            found += hit >= len(prompt) // 32 * 32
+            cached, total = cached + hit, total + len(turn)
+            for task in fillers:
+                task.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+            say(f"  thread {thread} done")
+    return {"found": found, "turns": len(latency), "cached": cached / total,
+            "mean": statistics.mean(latency), "p50": statistics.median(latency), "max": max(latency)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=2)
@@ -89,6 +131,9 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=100, help="tokens each later turn adds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrent", action="store_true", help="a turn's requests all at once")
+    parser.add_argument("--full-holder", action="store_true",
+                        help="the holder's slots full at each later turn: states moved against prefilled")
+    parser.add_argument("--slots", type=int, default=2, help="slots per replica with --full-holder")
     args = parser.parse_args()
 
     import ray  # noqa: PLC0415
@@ -100,29 +145,40 @@ def main() -> None:
     start_serve("127.0.0.1", port)
     rows = {}
     try:
-        for affinity in (True, False):
-            name = "state affinity" if affinity else "Ray Serve's default"
+        cases = ({"state moved": {"state_move_min_tokens": 1}, "prefilled": {"state_move_min_tokens": None}}
+                 if args.full_holder else
+                 {"state affinity": {"state_affinity": True}, "Ray Serve's default": {"state_affinity": False}})
+        for name, settings in cases.items():
             say(f"{name}: deploying")
-            config = AppConfig(replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0,
-                               state_affinity=affinity)
+            engine = {"max_slots": args.slots} if args.full_holder else {}
+            config = AppConfig(replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0, engine=engine,
+                               **settings)
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-            rows[name] = asyncio.run(run_threads(f"http://127.0.0.1:{port}", args))
+            run = run_full_holder if args.full_holder else run_threads
+            rows[name] = asyncio.run(run(f"http://127.0.0.1:{port}", args))
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"{args.replicas} replicas (demo model, CPU), {args.ingress} ingress replica(s), "
-          f"{args.threads} threads of {args.prefix} tokens, "
-          f"{args.turns} later turns of +{args.step} tokens each, "
-          f"{'a turn of every thread at once' if args.concurrent else 'one request at a time'}; the later turns:\n")
-    print("| router | previous prompt found cached | prompt tokens from a cache | latency ms, mean / p50 / max |")
+    if args.full_holder:
+        print(f"{args.replicas} replicas (demo model, CPU, {args.slots} slots each), {args.threads} threads of "
+              f"{args.prefix} tokens, each's next turn of +{args.step} tokens sent while the replica holding its "
+              "first prompt has every slot taken:\n")
+    else:
+        print(f"{args.replicas} replicas (demo model, CPU), {args.ingress} ingress replica(s), "
+              f"{args.threads} threads of {args.prefix} tokens, "
+              f"{args.turns} later turns of +{args.step} tokens each, "
+              f"{'a turn of every thread at once' if args.concurrent else 'one request at a time'}; "
+              "the later turns:\n")
+    print("| case | previous prompt found cached | prompt tokens from a cache | latency ms, mean / p50 / max |")
     print("|---|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['found']} of {r['turns']} | {r['cached']:.0%} | "
               f"{r['mean']:.0f} / {r['p50']:.0f} / {r['max']:.0f} |")
-    base, ours = rows["Ray Serve's default"], rows["state affinity"]
-    print(f"\nMean latency, default / affinity: {base['mean'] / ours['mean']:.1f}×")
+    ours, base = rows
+    ratio = rows[base]["mean"] / rows[ours]["mean"]
+    print(f"\nMean latency, {base} / {ours}: {ratio:.1f}×")
 
 
 if __name__ == "__main__":
