@@ -111,7 +111,7 @@ async def run_full_holder(url: str, args) -> dict:
             response = await client.post("/v1/completions", json={"prompt": turn, "max_tokens": 1})
             latency.append((time.perf_counter() - start) * 1e3)
             hit = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            found += hit >= len(prompt) // 32 * 32
+            found += hit >= len(prompt)
             cached, total = cached + hit, total + len(turn)
             for task in fillers:
                 task.cancel()

@@ -194,7 +194,7 @@ class Replica:
             if length - held < least:
                 return
             call = self._peers().export_state.remote(holder, namespace, list(request.prompt))
-            snapshot, moved = await asyncio.wait_for(_result(call), STATE_MOVE_TIMEOUT_S)
+            snapshot, moved = await asyncio.wait_for(call, STATE_MOVE_TIMEOUT_S)
             if snapshot is not None and moved - held >= least:
                 await asyncio.to_thread(self.engine.import_prefix, namespace, request.prompt[:moved], snapshot)
                 return
@@ -404,10 +404,6 @@ def _refusal(err: Exception) -> ReplicaError:
     if isinstance(err, UnknownInitState):
         return ReplicaError(404, str(err), "init_state_not_found")
     return ReplicaError(400, str(err))
-
-
-async def _result(call: Any) -> Any:
-    return await call
 
 
 def _replica_identity() -> tuple[str, str]:
