@@ -23,7 +23,9 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     requests always in flight, each replaced by a new prompt as it ends, their lengths spread so
     that they end at different steps), prompt tokens/s and the time to first token beside, with
     a prefill call every step and with prompts waiting up to 4 steps to share one; and the sampler alone,
-    its one-launch kernel next to its torch lines.
+    its one-launch kernel next to its torch lines;
+  * a prefix's state moved between engines (export, pickle, import, first token) against
+    prefilling it: what `state_move_min_tokens` weighs on a GPU.
 
     python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
 
@@ -588,6 +590,53 @@ def bench_engine(runner, results: dict) -> None:
             f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; steady, {concurrency} "
             f"always in flight: {_steady(steady[1])} (prompts waiting up to 4 steps: {_steady(steady[4])}); "
             f"runner alone {raw:,.0f}")
+    for prefix in (512, 4096):
+        time_state_move(fresh_engine, EngineConfig(max_slots=8, max_prefill_tokens=4096, token_chunk_size=512),
+                        results, prefix)
+
+
+def time_state_move(fresh_engine, config, results: dict, prefix: int = 4096, suffix: int = 16) -> None:
+    """What moving a prefix's state between replicas costs on this GPU, against prefilling it: one
+    engine prefills a `prefix`-token prompt, exports its state (a host copy), the state goes
+    through pickle (as Ray carries it between processes on one node; a network adds its transfer),
+    a fresh engine imports it and answers the prompt plus `suffix` tokens. Beside, a fresh engine
+    prefills a new prompt of the same length. Medians of three."""
+    import pickle  # noqa: PLC0415
+
+    from engine_cpu import first_token_seconds  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(7)
+    times: dict[str, list[float]] = {k: [] for k in ("export", "pickle", "import", "first_token_moved", "prefilled")}
+    nbytes = 0
+    for rep in range(4):  # the first is a warm-up of every shape
+        prompt, cold = (torch.randint(1, 65536, (prefix + suffix,), generator=gen).tolist() for _ in range(2))
+        engine = fresh_engine(config)
+        asyncio.run(first_token_seconds(engine, prompt[:prefix]))
+        namespace, _ = engine.held_prefix(None, prompt)
+        t0 = time.perf_counter()
+        snapshot, moved = engine.export_prefix(namespace, prompt)
+        t1 = time.perf_counter()
+        snapshot = pickle.loads(pickle.dumps(snapshot))
+        t2 = time.perf_counter()
+        engine.stop()
+        engine = fresh_engine(config)
+        t3 = time.perf_counter()
+        engine.import_prefix(namespace, prompt[:moved], snapshot)
+        t4 = time.perf_counter()
+        first, _, cached = asyncio.run(first_token_seconds(engine, prompt))
+        assert cached >= prefix - 64, f"the imported state was not used ({cached} of {prefix} tokens cached)"
+        prefilled, _, _ = asyncio.run(first_token_seconds(engine, cold))
+        engine.stop()
+        if rep:
+            for key, value in zip(times, (t1 - t0, t2 - t1, t4 - t3, first, prefilled), strict=True):
+                times[key].append(value)
+        nbytes = snapshot.nbytes
+    ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+    ms["moved"] = ms["export"] + ms["pickle"] + ms["import"] + ms["first_token_moved"]
+    results["state_move"].append({"prefix": prefix, "suffix": suffix, "MiB": nbytes / 2**20, **ms})
+    say(f"state move, {prefix} + {suffix} tokens: {nbytes / 2**20:.1f} MiB; export {ms['export']:.1f} ms, "
+        f"pickle {ms['pickle']:.1f}, import {ms['import']:.1f}, first token {ms['first_token_moved']:.1f} "
+        f"= {ms['moved']:.1f} ms against {ms['prefilled']:.1f} ms prefilled")
 
 
 def _steady(s: dict) -> str:
@@ -746,6 +795,15 @@ def table(results: dict, models: list[str]) -> str:
                          f"{e['engine_torch_sampler']:,.0f} | {_steady(e['steady'])} | "
                          f"{_steady(e['steady_every_4'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
                          f"{e['engine_greedy'] / raw:.0%} / {e['steady']['generated'] / raw:.0%} |")
+    if results.get("state_move"):
+        lines += ["", f"A prefix's state moved to another engine against prefilled ({results['engine_model']}; ms, "
+                  f"medians of three; the prompt is the prefix and 16 new tokens; the state "
+                  f"{results['state_move'][0]['MiB']:.1f} MiB; pickle stands for Ray's carrying on one node):", "",
+                  "| prefix tokens | export | pickle | import | first token from the moved state | moved, in all | "
+                  "prefilled | prefilled / moved |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {m['prefix']:,} | {m['export']:.1f} | {m['pickle']:.1f} | {m['import']:.1f} | "
+                  f"{m['first_token_moved']:.1f} | {m['moved']:.1f} | {m['prefilled']:.1f} | "
+                  f"{m['prefilled'] / m['moved']:.1f}x |" for m in results["state_move"]]
     if results["sampler"]:
         lines += ["", "Sampler alone (GPU, ms a step, the tokens read back):", "",
                   "| batch, sampling | one-launch kernel | torch lines | torch / kernel |", "|---|---:|---:|---:|"]
@@ -778,7 +836,7 @@ def main() -> None:
     models = args.models.split(",")
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "ours": {}, "rwkv": {}, "exactness": {}, "exactness_rows": {}, "engine": {}, "explore": {},
-               "sampler": {}, "live_rows": {}}
+               "sampler": {}, "live_rows": {}, "state_move": [], "engine_model": args.engine_model}
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     torch.backends.cudnn.allow_tf32 = False
     results["ceilings"] = measure_ceilings()
