@@ -158,8 +158,8 @@ class Replica:
     async def generate(self, request: Request, holder: tuple[str, int] | None = None) -> AsyncIterator[Chunk]:
         """`holder`: (replica id, prefix tokens) of the replica that last took the longest prefix
         of the prompt, as the router knows it (serve_app/router.py)."""
-        if holder is not None and holder[0] != self.replica_id:
-            await self._take_state(request, *holder)
+        if holder is not None and holder[0] != self.replica_id and not self.engine.full():
+            await self._take_state(request, *holder)  # (a full engine refuses the request below)
         try:
             stream = await self._submit(request)
         except (InvalidRequest, UnknownInitState, EngineBusy, EngineUnavailable) as err:

@@ -156,6 +156,11 @@ class EngineProcess:
             raise
         return stream
 
+    def full(self) -> bool:
+        """Whether submit would say busy now."""
+        with self._lock:
+            return len(self._streams) >= self.config.max_slots + self.config.max_waiting
+
     def cancel(self, uid: int) -> None:
         try:
             self._send(("cancel", uid))

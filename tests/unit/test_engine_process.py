@@ -81,6 +81,7 @@ def test_bad_requests_are_refused_before_they_cross(engine):
         # two slots and two waiting places: the fifth request in flight is refused
         streams = [engine.submit(Request([1, 2], SamplingParams(max_tokens=10**6, ignore_eos=True)))
                    for _ in range(4)]
+        assert engine.full()
         with pytest.raises(EngineBusy):
             engine.submit(Request([1]))
         for stream in streams:
@@ -98,6 +99,7 @@ def test_bad_requests_are_refused_before_they_cross(engine):
         time.sleep(0.05)
         stats = engine.snapshot_stats()
     assert stats["running"] == stats["waiting"] == 0
+    assert not engine.full()  # the rows' ends heard here too
     engine.check_integrity()
 
 
