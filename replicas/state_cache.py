@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .model.state import RNNState
+from .model.state import RNNState, host_tensor
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,12 @@ class Snapshot:
     def tensors(self) -> tuple[Tensor, ...]:
         return (*self.state.tensors(), self.logits)
 
+    def __reduce_ex__(self, protocol: int):
+        """A host snapshot pickles as its state does (model/state.py: as numpy arrays)."""
+        if self.ready is not None or self.logits.device.type != "cpu":
+            return super().__reduce_ex__(protocol)
+        return _snapshot_from, (self.state, self.logits.detach().numpy())
+
     def to(self, device: torch.device | str) -> Snapshot:
         self.wait()
         return Snapshot(self.state.to(device), self.logits.to(device))
@@ -60,6 +66,10 @@ class Snapshot:
         """Returns once the tensors may be read on the host."""
         if self.ready is not None:
             self.ready.synchronize()
+
+
+def _snapshot_from(state: RNNState, logits) -> Snapshot:
+    return Snapshot(state, host_tensor(logits))
 
 
 def prefix_key(namespace: str, tokens: Sequence[int]) -> str:

@@ -10,6 +10,11 @@ init state):
 
 Everything is fp32: the decay w is close to 1, and a low-precision state drifts over long
 sequences.
+
+A state on the host pickles as numpy arrays. States move between processes in pickles (a replica
+and its engine's process, one replica and another through Ray), and torch's own pickling of a
+tensor writes a zip archive: 9 against 1.4 ms a round trip for the 1.5B model's 12.6 MiB on this
+project's CPU machine. Ray carries numpy arrays out of band, without a copy into the pickle.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
+
+
+def host_tensor(array) -> Tensor:
+    """A tensor over a numpy array from a pickle (a copy of one that is read-only, as Ray's
+    out-of-band buffers are)."""
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _state_from_arrays(*arrays) -> RNNState:
+    return RNNState(*(host_tensor(a) for a in arrays))
 
 
 @dataclass
@@ -37,6 +52,11 @@ class RNNState:
             ffn_shift=torch.zeros(L, rows, C, device=device),
             wkv=torch.zeros(L, rows, H, N, N, device=device),
         )
+
+    def __reduce_ex__(self, protocol: int):
+        if any(t.device.type != "cpu" for t in self.tensors()):
+            return super().__reduce_ex__(protocol)
+        return _state_from_arrays, tuple(t.detach().numpy() for t in self.tensors())
 
     @property
     def rows(self) -> int:

@@ -1,11 +1,12 @@
 """The prefix-state cache on its own: radix trie, tiers, byte budgets, events, integrity."""
 
+import pickle
 import random
 
 import torch
 
 from replicas.model.config import ModelConfig
-from replicas.model.state import RNNState
+from replicas.model.state import RNNState, host_tensor
 from replicas.state_cache import PrefixStateCache, Snapshot, prefix_key
 
 CONFIG = ModelConfig(1, 8, 4, 16, 8, 1, 1, 1, 1)
@@ -107,3 +108,22 @@ def test_prefix_keys_stay_the_same_across_versions():
     assert prefix_key("zero", [0, 1, 65535, 4000000000]) == "34d43c328bf47d9c68bf5d74"
     assert prefix_key("zero", (0, 1, 65535, 4000000000)) == "34d43c328bf47d9c68bf5d74"
     assert prefix_key("", []) == "fff0e5a0cb8587292c8f32d9"
+
+
+def test_a_host_snapshot_pickles_as_arrays_and_comes_back_whole():
+    # att_shift a slice: not contiguous
+    state = RNNState(torch.randn(1, 3, 8)[:, 1:2], torch.randn(1, 1, 8), torch.randn(1, 1, 2, 4, 4))
+    sent = Snapshot(state, torch.randn(CONFIG.vocab_size))
+    data = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"torch._utils" not in data  # not torch's own pickling (a zip archive a tensor)
+    back = pickle.loads(data)
+    assert isinstance(back, Snapshot) and back.ready is None and isinstance(back.state, RNNState)
+    for theirs, ours in zip(sent.tensors(), back.tensors(), strict=True):
+        assert torch.equal(theirs, ours) and ours.dtype == torch.float32
+    back.state.wkv.add_(1)  # its own memory, writable
+    assert torch.equal(sent.state.wkv + 1, back.state.wkv)
+    read_only = sent.logits.numpy().copy()
+    read_only.flags.writeable = False  # as Ray's out-of-band buffers come
+    tensor = host_tensor(read_only)
+    tensor.add_(1)
+    assert torch.equal(tensor, sent.logits + 1)
