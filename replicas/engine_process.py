@@ -142,7 +142,7 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         with self._lock:
             self._check_running()
-            if len(self._streams) >= self.config.max_slots + self.config.max_waiting:
+            if self._full():
                 self._busy_refusals += 1
                 raise EngineBusy()
             uid = next(self._uids)
@@ -159,7 +159,10 @@ class EngineProcess:
     def full(self) -> bool:
         """Whether submit would say busy now."""
         with self._lock:
-            return len(self._streams) >= self.config.max_slots + self.config.max_waiting
+            return self._full()
+
+    def _full(self) -> bool:  # (under _lock)
+        return len(self._streams) >= self.config.max_slots + self.config.max_waiting
 
     def cancel(self, uid: int) -> None:
         try:
