@@ -548,7 +548,7 @@ def bench_engine(runner, results: dict) -> None:
         slowed the later ones (12-01o's run of record; .carry/gpu/ab60.py against ab61.py)."""
         for slot in range(runner.max_slots):
             runner.reset(slot)
-        return Engine(runner, tokenizer, config).start()
+        return Engine(runner, tokenizer, config).start(say)  # (the first pins the host tier: ~7 s)
 
     time_sampler(results)
     runner.warm_up(say)  # every bucket (the engine's batch size changes) and every prefill kernel variant

@@ -402,7 +402,7 @@ def _open_engine(model_dir: str | None, device: str, config: dict, sender: _Send
     if runner.device.type == "cuda":
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     runner.warm_up(progress)  # no request waits for a compile
-    engine = Engine(runner, tokenizer, engine_config).start()
+    engine = Engine(runner, tokenizer, engine_config).start(progress)
     sender.put(("ready", runner.config, card, runner.vocab_size))
     return engine
 

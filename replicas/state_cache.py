@@ -204,15 +204,19 @@ SLAB_PLACES = 16  # host places pinned at a time (1.5B: 211 MB, 7.2B: 556 MB)
 ALIGN = 256  # bytes: each tensor of a place starts at a multiple of this
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
+# slabs of caches that were cleared, by size: still pinned, for the process's next cache (an
+# engine process has one engine; a benchmark makes engine after engine)
+_spare_slabs: dict[int, list[Tensor]] = {}
+
 
 class _PinnedPlaces:
     """Page-locked host memory for the host tier on a CUDA machine: places of one snapshot's size,
-    in slabs of SLAB_PLACES pinned as the tier first grows and then kept, so that a demotion
-    neither allocates nor pins once the tier is full. Pinning is slow (H200 machine: 75-104 ms a
-    slab of 211 MB, paid by the demotion that finds no place free); pinning the next slab ahead on
-    a thread of its own was no faster (docs/gpu.md). Pinned with cudaHostRegister on ordinary
-    memory, which leaves torch's pinned allocator (the runner's inputs of every step come from it)
-    free meanwhile."""
+    in slabs of SLAB_PLACES, so that a demotion neither allocates nor pins. Pinning is slow (H200
+    machine: 75-104 ms a slab of 211 MB) and holds up the model's work wherever it runs (a thread
+    of its own was no faster), so an engine pins its whole budget when it starts (`reserve`); a
+    slab is pinned on a demotion only where that was not done. Pinned with cudaHostRegister on
+    ordinary memory, which leaves torch's pinned allocator (the runner's inputs of every step come
+    from it) free meanwhile."""
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes  # no slab is pinned beyond this many bytes
@@ -225,20 +229,22 @@ class _PinnedPlaces:
     def pinned(self) -> int:
         return sum(slab.numel() for slab in self.slabs)
 
+    def reserve(self, like: Snapshot) -> None:
+        """Pins places for snapshots like `like` up to the limit."""
+        size, free = self._size(like), self.free.setdefault(_layout(like), [])
+        while self._pin(size, free):
+            pass
+
     def take(self, like: Snapshot) -> tuple[Snapshot, Tensor] | None:
         """Empty host tensors shaped like `like`'s in a pinned place, and the place; None when the
         limit is reached (the caller then copies to ordinary memory)."""
-        layout = _layout(like)
-        offsets, size = [], 0
-        for t in like.tensors():
-            offsets.append(size)
-            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        free = self.free.setdefault(layout, [])
-        if not free and not self._pin(size, free):
+        free = self.free.setdefault(_layout(like), [])
+        if not free and not self._pin(self._size(like), free):
             return None
-        place = free.pop()
-        views = [place[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                 for at, t in zip(offsets, like.tensors(), strict=True)]
+        place, views, at = free.pop(), [], 0
+        for t in like.tensors():
+            views.append(place[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            at += _aligned(t)
         return Snapshot(RNNState(*views[:3]), views[3]), place
 
     def give(self, snapshot: Snapshot, place: Tensor) -> None:
@@ -246,21 +252,40 @@ class _PinnedPlaces:
         demotion into it waits for that stream first."""
         self.free[_layout(snapshot)].append(place)
 
+    def release(self) -> None:
+        """Hands every slab to the process's spares, still pinned (no copy may read or write one)."""
+        for slab in self.slabs:
+            _spare_slabs.setdefault(slab.numel(), []).append(slab)
+        self.slabs.clear()
+        self.free.clear()
+
+    @staticmethod
+    def _size(like: Snapshot) -> int:
+        return sum(_aligned(t) for t in like.tensors())
+
     def _pin(self, size: int, free: list[Tensor]) -> bool:
-        """Pins one more slab of places of `size` bytes into `free`; False at the limit (or when
-        pinning fails: demotions then copy synchronously)."""
+        """One more slab of places of `size` bytes into `free` (a spare one if the process has
+        it); False at the limit (or when pinning fails: demotions then copy synchronously)."""
         if self.pinned + self.failed >= self.limit:
             return False
-        slab = torch.empty(SLAB_PLACES * size, dtype=torch.uint8)
-        error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), HOST_REGISTER_PORTABLE)
-        if int(error) != 0:
-            self.failed += slab.numel()  # (counted against the limit, so that failures end)
-            log.warning("pinning %d bytes for the prefix cache's host tier failed (CUDA error %d)",
-                        slab.numel(), int(error))
-            return False
+        spares = _spare_slabs.get(SLAB_PLACES * size)
+        if spares:
+            slab = spares.pop()
+        else:
+            slab = torch.empty(SLAB_PLACES * size, dtype=torch.uint8)
+            error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), HOST_REGISTER_PORTABLE)
+            if int(error) != 0:
+                self.failed += slab.numel()  # (counted against the limit, so that failures end)
+                log.warning("pinning %d bytes for the prefix cache's host tier failed (CUDA error %d)",
+                            slab.numel(), int(error))
+                return False
         self.slabs.append(slab)
         free.extend(slab[i * size:(i + 1) * size] for i in range(SLAB_PLACES))
         return True
+
+
+def _aligned(t: Tensor) -> int:
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
 
 
 def _layout(snapshot: Snapshot) -> tuple:
@@ -339,12 +364,22 @@ class PrefixStateCache:
             self._evicted(entry)
 
     def clear(self) -> None:
-        """Drops every snapshot and gives the pinned host memory back (the engine stops)."""
+        """Drops every snapshot (the engine stops). The host tier's pinned memory stays with the
+        process, for its next cache."""
         for namespace in list(self.tries):
             self.drop_namespace(namespace)
         if self._places is not None:
             torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
-            self._places = _PinnedPlaces(self.budget[HOST])  # the old one's finalizer unpins its slabs
+            self._places.release()  # (kept pinned for the process's next cache)
+            self._places = _PinnedPlaces(self.budget[HOST])
+
+    def reserve_host(self, like: Snapshot) -> int:
+        """Pins the host tier's budget for snapshots like `like` now (on a CUDA device; else
+        nothing), so that no demotion pins while the model runs. Returns the bytes pinned."""
+        if self._places is None:
+            return 0
+        self._places.reserve(like)
+        return self._places.pinned
 
     def longest(self, namespace: str, tokens: Sequence[int]) -> int:
         """The length of the longest cached prefix of tokens (0: none). Changes nothing, counts nothing."""

@@ -64,3 +64,23 @@ def test_places_are_reused_and_every_move_keeps_its_values():
         cache.check_integrity()
     assert cache.metrics.demotions > 100 and cache.metrics.evictions > 0
     assert len(cache._places.slabs) == 2  # the host budget's worth of places, pinned once
+
+
+def test_a_reserved_host_tier_pins_nothing_more_and_its_slabs_pass_to_the_next_cache():
+    cache = PrefixStateCache(SIZE, 2 * SLAB_PLACES * SIZE, "cuda")
+    pinned = cache.reserve_host(snap(0))  # (places are aligned: a little over the budget)
+    assert len(cache._places.slabs) == 2 and pinned >= 2 * SLAB_PLACES * SIZE
+    slabs = [slab.data_ptr() for slab in cache._places.slabs]
+    for key in range(3 * SLAB_PLACES):  # demotions fill the host tier, then evict from it
+        cache.insert("", [key], snap(key))
+    assert cache.metrics.demotions > 2 * SLAB_PLACES and cache.metrics.evictions > 0
+    assert [slab.data_ptr() for slab in cache._places.slabs] == slabs
+    assert same(cache.export("", [3 * SLAB_PLACES - 2])[0], 3 * SLAB_PLACES - 2)
+    cache.clear()
+    again = PrefixStateCache(SIZE, 2 * SLAB_PLACES * SIZE, "cuda")
+    again.reserve_host(snap(0))
+    assert sorted(slab.data_ptr() for slab in again._places.slabs) == sorted(slabs)  # not pinned twice
+    again.insert("", [1], snap(1))
+    again.insert("", [2], snap(2))
+    assert same(again.export("", [1])[0], 1)
+    again.clear()

@@ -19,6 +19,7 @@ from replicas.init_states import InitState, InitStateError
 from replicas.model.loader import open_model
 from replicas.model.state import RNNState
 from replicas.sampling import InvalidRequest, SamplingParams
+from replicas.state_cache import _layout
 from tests.prompts import PYTHON_PROMPTS
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -595,6 +596,9 @@ def test_cache_respects_byte_budgets_and_demotes_to_host(parts):
         cache = settle(engine)["cache"]
         assert cache["device_entries"] <= 2 and cache["host_entries"] <= 3
         assert cache["demotions"] > 0 and cache["evictions"] > 0
+        # what the engine pins host places for on a GPU: the layout of every snapshot it caches
+        held = [entry.snapshot for lru in engine.cache.lru.values() for entry in lru.values()]
+        assert held and {_layout(s) for s in held} == {_layout(engine.snapshot_like())}
     finally:
         engine.stop()
     assert engine.cache.metrics.bytes == {"device": 0, "host": 0}  # a stopped engine holds no states
