@@ -323,9 +323,10 @@ class Engine:
         progress(f"pinned {pinned / 2**30:.1f} GiB in {time.perf_counter() - start:.1f} s")
 
     def stop(self) -> None:
-        """Ends the engine thread (every row still in flight is cancelled), then gives the prefix
-        cache's memory back. A process that makes engine after engine (a benchmark) keeps each
-        stopped one: start() froze it for the collector."""
+        """Ends the engine thread (every row still in flight is cancelled), then drops the prefix
+        cache's states (its pinned host memory stays with the process, for its next engine). A
+        process that makes engine after engine (a benchmark) keeps each stopped one: start()
+        froze it for the collector."""
         if self._thread and self._thread.is_alive():
             self._stopping = True
             self._send(("wake",))
