@@ -222,12 +222,9 @@ class _PinnedPlaces:
         self.limit = limit_bytes  # no slab is pinned beyond this many bytes
         self.slabs: list[Tensor] = []
         self.free: dict[tuple, list[Tensor]] = {}  # snapshot layout -> free places (uint8 views of slabs)
+        self.pinned = 0  # bytes of self.slabs
         self.failed = 0  # bytes whose pinning failed
         weakref.finalize(self, _unpin, self.slabs)
-
-    @property
-    def pinned(self) -> int:
-        return sum(slab.numel() for slab in self.slabs)
 
     def reserve(self, like: Snapshot) -> None:
         """Pins places for snapshots like `like` up to the limit."""
@@ -258,6 +255,7 @@ class _PinnedPlaces:
             _spare_slabs.setdefault(slab.numel(), []).append(slab)
         self.slabs.clear()
         self.free.clear()
+        self.pinned = 0
 
     @staticmethod
     def _size(like: Snapshot) -> int:
@@ -280,6 +278,7 @@ class _PinnedPlaces:
                             slab.numel(), int(error))
                 return False
         self.slabs.append(slab)
+        self.pinned += slab.numel()
         free.extend(slab[i * size:(i + 1) * size] for i in range(SLAB_PLACES))
         return True
 
