@@ -217,7 +217,7 @@ def test_requests_cross_serve_over_grpc(served):
 
     async def call() -> tuple[list[str], list[str]]:
         replica = serve.get_deployment_handle("Replica", APP_NAME)
-        streams = await ChoiceStreams.open(replica, [Request([1, 2, 3], SamplingParams(max_tokens=3))])
+        streams = await ChoiceStreams.open(replica, [Request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))])
         kinds = [type(c._replica_result).__name__ for c in streams._calls]  # Serve's own (ray is pinned)
         ends = [chunk.finish_reason async for _, chunk in streams if chunk.finish_reason]
         return kinds, ends

@@ -101,7 +101,8 @@ def test_the_replica_body_streams_chunks_and_cancels_rows_left_behind(model_dir)
         replica = await Replica.create(ReplicaConfig(model_dir=model_dir, engine={"max_slots": 2}))
         try:
             assert sys.getswitchinterval() == switch != GIL_SWITCH_INTERVAL_S  # a GPU replica's only
-            chunks = [c async for c in replica.generate(Request([1, 2, 3], SamplingParams(max_tokens=20)))]
+            request = Request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+            chunks = [c async for c in replica.generate(request)]
             assert chunks[0] == Chunk() and chunks[-1].finish_reason == "length"
             assert chunks[-1].usage.completion_tokens == 20 and len(chunks) < 20
 

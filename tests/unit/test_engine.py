@@ -237,7 +237,10 @@ def test_cancel_mid_generation_frees_the_slot(parts):
     try:
         async def leave_early():
             seen = 0
-            async for event in engine.generate(Request(parts[1].encode(PROMPTS[0]), SamplingParams(max_tokens=10_000))):
+            # sampled at temperature 1, the demo model can end a row within five tokens (one seed in
+            # about 400 does): ignore_eos keeps the row going until the client leaves
+            params = SamplingParams(max_tokens=10_000, seed=7, ignore_eos=True)
+            async for event in engine.generate(Request(parts[1].encode(PROMPTS[0]), params)):
                 seen += isinstance(event, Delta)
                 if seen == 5:
                     break  # the client goes away
@@ -381,7 +384,7 @@ def test_busy_past_max_waiting(parts):
     tok = parts[1]
     try:
         async def overload():
-            long = SamplingParams(max_tokens=200)
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
             first = engine.submit(Request(tok.encode(PROMPTS[0]), long))
             assert isinstance(await first.__anext__(), Started)  # holds the only slot
             queued = [engine.submit(Request(tok.encode(PROMPTS[1]), long)) for _ in range(2)]
