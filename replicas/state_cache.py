@@ -223,7 +223,7 @@ class _PinnedPlaces:
         self.slabs: list[Tensor] = []
         self.free: dict[tuple, list[Tensor]] = {}  # snapshot layout -> free places (uint8 views of slabs)
         self.pinned = 0  # bytes of self.slabs
-        self.failed = 0  # bytes whose pinning failed
+        self.failed = False  # a pinning failed: no more is tried (the rest of the tier stays pageable)
         weakref.finalize(self, _unpin, self.slabs)
 
     def reserve(self, like: Snapshot) -> None:
@@ -263,8 +263,9 @@ class _PinnedPlaces:
 
     def _pin(self, size: int, free: list[Tensor]) -> bool:
         """One more slab of places of `size` bytes into `free` (a spare one if the process has
-        it); False at the limit (or when pinning fails: demotions then copy synchronously)."""
-        if self.pinned + self.failed >= self.limit:
+        it); False at the limit, or once pinning has failed (the process's locked-memory limit,
+        which a retry would meet again): demotions then copy synchronously to ordinary memory."""
+        if self.failed or self.pinned >= self.limit:
             return False
         spares = _spare_slabs.get(SLAB_PLACES * size)
         if spares:
@@ -273,9 +274,10 @@ class _PinnedPlaces:
             slab = torch.empty(SLAB_PLACES * size, dtype=torch.uint8)
             error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), HOST_REGISTER_PORTABLE)
             if int(error) != 0:
-                self.failed += slab.numel()  # (counted against the limit, so that failures end)
-                log.warning("pinning %d bytes for the prefix cache's host tier failed (CUDA error %d)",
-                            slab.numel(), int(error))
+                self.failed = True
+                log.warning("pinning the prefix cache's host tier failed at %d of %d bytes (CUDA error %d): "
+                            "the rest is ordinary memory, its demotions copy synchronously",
+                            self.pinned, self.limit, int(error))
                 return False
         self.slabs.append(slab)
         self.pinned += slab.numel()
