@@ -73,8 +73,11 @@ async def _api_error(_: Request, err: ApiError) -> JSONResponse:
 
 
 @api.exception_handler(RequestValidationError)
-async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-    return await _api_error(_, _validation_error(err.errors()))
+async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+    error = _validation_error(err.errors())
+    if error.param is None and not request.headers.get("content-type", "").startswith("application/json"):
+        error.message += " (send it with Content-Type: application/json)"  # curl -d sends a form's type
+    return await _api_error(request, error)
 
 
 @api.exception_handler(HTTPException)
@@ -95,6 +98,8 @@ def _validation_error(errors: Sequence[dict]) -> ApiError:
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None
+    elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the request body must be a JSON object"
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 

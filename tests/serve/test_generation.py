@@ -156,6 +156,12 @@ def test_bad_requests_get_openai_errors(client, body, status, param):
 def test_malformed_bodies_and_unknown_fields(client):
     response = client.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["message"]
+    response = client.post("/v1/completions", json=[{"prompt": "x"}])
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the request body must be a JSON object"
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends unless told
+    response = client.post("/v1/completions", content=b'{"prompt": "x"}', headers=form)
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": True})
