@@ -15,6 +15,7 @@ GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAP
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -91,9 +92,21 @@ async def _internal(_: Request, err: Exception) -> JSONResponse:
     return await _api_error(_, ApiError(500, "internal server error", code="internal_error"))
 
 
+_UNION_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]")  # pydantic's names of our unions' members
+
+
 def _validation_error(errors: Sequence[dict]) -> ApiError:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    """The first of pydantic's errors as a 400. For a field of several accepted types (`prompt`,
+    `stop`, a message's `content`), where pydantic reports each type's failure, it names the types."""
+    locs = [[str(p) for p in e.get("loc", ()) if p not in ("body", "query")] for e in errors]
+    first, loc = (errors[0], locs[0]) if errors else ({}, [])
+    tag = next((i for i, p in enumerate(loc) if _UNION_TAG.fullmatch(p)), None)
+    if tag is not None:
+        types = dict.fromkeys(other[tag] for other in locs if len(other) > tag and other[:tag] == loc[:tag])
+        param = ".".join(loc[:tag])
+        *others, last = types
+        return ApiError(400, f"{param} must be {', '.join(others)} or {last}" if others else
+                        f"{param} must be {last}", param=param)
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
@@ -181,7 +194,8 @@ class Ingress:
         self._check_model(body.model)
         body.refuse_unsupported()
         prompt = await self._encode(chat.render(body.messages, self.config.chat))
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          self.config.default_max_tokens)  # (0 is a 400, not the default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params_checked(body, max_tokens, self.config.chat.stop, logprobs,
                                          self.model_config.vocab_size)

@@ -139,6 +139,8 @@ def test_logprobs_in_both_shapes(client):
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"prompt": [70000]}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["x", 1]}, 400, "prompt"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x", "init_state": "nobody"}, 404, "init_state"),
     ({"prompt": [1] * (MAX_PROMPT_TOKENS + 1)}, 413, "prompt"),
@@ -162,6 +164,13 @@ def test_malformed_bodies_and_unknown_fields(client):
     form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends unless told
     response = client.post("/v1/completions", content=b'{"prompt": "x"}', headers=form)
     assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
+    response = client.post("/v1/completions", json={"prompt": ["x", 1]})
+    assert response.json()["error"]["message"] == "prompt must be str, list[str], list[int] or list[list[int]]"
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]})
+    assert response.json()["error"]["message"] == "messages.0.content must be str or list[TextPart]"
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "max_completion_tokens": 0})
+    assert response.status_code == 400 and "at least 1" in response.json()["error"]["message"]
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": True})
