@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from replicas.deployment import ReplicaConfig
 from replicas.engine import EngineConfig
@@ -195,7 +195,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     """A config from a file (or defaults), with the given non-None fields replacing the file's."""
     values = read_config_file(Path(path)) if path else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return AppConfig.model_validate(values)
+    try:
+        return AppConfig.model_validate(values)
+    except ValidationError as err:  # one line for the command line: "engine.max_slots: Input should be ..."
+        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())) from None
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -206,7 +209,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ValueError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({err})") from None
+        reason = " ".join(str(err).split())  # (YAML's message spans lines)
+        raise ValueError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({reason})") from None
     body = body or {}
     if not isinstance(body, dict):
         raise ValueError(f"{path}: expected a mapping of config fields")

@@ -98,5 +98,11 @@ def test_convert_needs_a_tokenizer_for_another_vocabulary(tmp_path):
 def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("generate", "--model", str(tmp_path), "x"), "config.json")
     refused(cli("generate", "--temperature", "9", "x"), "temperature")
+    refused(cli("serve", "--port", "99999999"), "port: Input should be less than or equal to 65535")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  max_slots: 0\n")
+    refused(cli("serve", "--config", str(bad)), "engine.max_slots")
+    bad.write_text("engine: [\n")
+    refused(cli("serve", "--config", str(bad)), "not valid YAML")
     usage = cli("generate", "--max-tokens", "many", "x")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
