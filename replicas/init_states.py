@@ -1,12 +1,16 @@
 """Init states: named initial RNN states (a persona, a task, a tuned prompt) that requests start from.
 
-Owns reading and checking an init state's tensors (safetensors: `wkv` [L, H, N, N], optional
-`att_shift` / `ffn_shift` [L, C]) against a model's shape. The catalog of which init states exist
-lives in the registry actor; each engine holds what it was told to load.
+Owns reading and checking an init state's tensors against a model's shape: ours (safetensors:
+`wkv` [L, H, N, N], optional `att_shift` / `ffn_shift` [L, C]) or a state-tuned model's
+(RWKV-PEFT's `blocks.{i}.att.time_state` [H, N, N] a layer, key index first, in a .pth or
+safetensors file). The catalog of which init states exist lives in the registry actor; each engine
+holds what it was told to load.
 """
 
 from __future__ import annotations
 
+import io
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -36,11 +40,18 @@ class InitState:
         return f"{self.id}@{self.version}"
 
 
+LAYOUTS = ("an init state holds 'wkv' [L, H, N, N] and optionally 'att_shift', 'ffn_shift' [L, C], "
+           "or a state-tuned model's 'blocks.{i}.att.time_state' [H, N, N] for every layer i")
+_TIME_STATE = re.compile(r"blocks\.(\d+)\.att\.time_state")
+
+
 def state_from_tensors(tensors: dict[str, Tensor], config: ModelConfig) -> RNNState:
     L, C, H, N = config.n_layer, config.n_embd, config.n_head, config.head_size
+    if tensors and all(isinstance(k, str) and _TIME_STATE.fullmatch(k) for k in tensors):
+        tensors = _from_time_states(tensors, config)
     unknown = set(tensors) - {"wkv", "att_shift", "ffn_shift"}
-    if "wkv" not in tensors or unknown:
-        raise InitStateError("an init state holds 'wkv' [L, H, N, N] and optionally 'att_shift', 'ffn_shift' [L, C]")
+    if "wkv" not in tensors or unknown or not all(isinstance(t, Tensor) for t in tensors.values()):
+        raise InitStateError(LAYOUTS)
     expected = {"wkv": (L, H, N, N), "att_shift": (L, C), "ffn_shift": (L, C)}
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected[name]:
@@ -57,13 +68,53 @@ def state_from_tensors(tensors: dict[str, Tensor], config: ModelConfig) -> RNNSt
     )
 
 
+def _from_time_states(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """A state-tuned model's layers as our `wkv`. Its time_state is indexed [head, key, value], as
+    the training kernel keeps it; ours (and the `rwkv` package's, which loads these files with
+    the same transpose) [head, value, key]. The token shifts are not tuned: zeros."""
+    L, H, N = config.n_layer, config.n_head, config.head_size
+    layers = sorted(int(_TIME_STATE.fullmatch(k).group(1)) for k in tensors)
+    if layers != list(range(L)):
+        raise InitStateError(f"a state-tuned file for this model holds blocks.0 to blocks.{L - 1}.att.time_state; "
+                             f"this one has {len(layers)} layers")
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != (H, N, N):
+            shape = list(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise InitStateError(f"init state tensor {key!r} is {shape}; this model needs {[H, N, N]}")
+    return {"wkv": torch.stack([tensors[f"blocks.{i}.att.time_state"].float().transpose(-1, -2) for i in range(L)])}
+
+
 def state_from_bytes(data: bytes, config: ModelConfig) -> RNNState:
     """Reads an uploaded safetensors file."""
+    if _is_pytorch(data):
+        raise InitStateError("a PyTorch file: uploads are safetensors (safetensors.torch.save_file writes its "
+                             "tensors as one), or load the .pth from the server's states directory")
     try:
         tensors = load(data)
     except Exception as err:  # safetensors raises its own error types for bad input
         raise InitStateError(f"not a safetensors file ({str(err)[:100]})") from None
     return state_from_tensors(tensors, config)
+
+
+def state_file_bytes(data: bytes, config: ModelConfig) -> bytes:
+    """A file of the server's states directory as the safetensors bytes that `state_from_bytes`
+    reads: safetensors as they are, a PyTorch file (a state-tuned model's .pth, read with
+    `weights_only`) converted. Not for uploads: those are safetensors only."""
+    if not _is_pytorch(data):
+        return data
+    try:
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for a damaged or unsafe pickle
+        raise InitStateError(f"not a PyTorch state file ({' '.join(str(err).split())[:100]})") from None
+    if not isinstance(tensors, dict):
+        raise InitStateError(LAYOUTS)
+    return state_to_bytes(state_from_tensors(tensors, config))
+
+
+def _is_pytorch(data: bytes) -> bool:
+    """Whether `data` is what torch.save writes: a zip archive, which starts with a local file header
+    (a safetensors file starts with its header's length, never this many bytes)."""
+    return data[:4] == b"PK\x03\x04"
 
 
 def state_to_bytes(state: RNNState) -> bytes:

@@ -12,7 +12,7 @@ import asyncio
 import re
 from pathlib import Path
 
-from replicas.init_states import InitStateError, state_from_bytes
+from replicas.init_states import InitStateError, state_file_bytes, state_from_bytes
 from replicas.model.config import ModelConfig
 
 from .protocol import ApiError, InitStateDeleted, InitStateList, InitStateLoaded, InitStateObject, StateFromFile
@@ -54,6 +54,10 @@ class StateCatalog:
     async def load_file(self, request: StateFromFile) -> InitStateLoaded:
         path = self._file(request.file)
         data = await asyncio.to_thread(path.read_bytes)
+        try:  # (a state-tuned model's .pth becomes our safetensors here)
+            data = await asyncio.to_thread(state_file_bytes, data, self.model)
+        except InitStateError as err:
+            raise ApiError(400, str(err), param="file") from None
         return await self.load(request.name or path.stem, data, request.default)
 
     async def unload(self, key: str) -> InitStateDeleted:

@@ -77,6 +77,10 @@ def test_states_from_the_states_directory_by_file_name_only(client):
     assert response.status_code == 200, response.text
     assert response.json()["name"] == "persona"
     assert greedy_text(client, init_state="persona")
+    response = client.post("/v1/states", json={"file": "tuned.pth"})  # read as our safetensors
+    assert response.status_code == 200, response.text
+    assert greedy_text(client, init_state="tuned") != greedy_text(client)
+    assert client.delete("/v1/states/tuned").status_code == 200
     for bad in ("../outside.safetensors", "/etc/passwd", ".hidden", "sub/persona.safetensors"):
         response = client.post("/v1/states", json={"file": bad})
         assert response.status_code == 400, (bad, response.text)

@@ -13,6 +13,7 @@ os.environ.setdefault("RWKV_JIT_ON", "0")
 import pytest
 import torch
 
+from replicas.init_states import state_from_tensors
 from replicas.model import rwkv7
 from replicas.model.checkpoint import save_pth
 from replicas.model.config import ModelConfig
@@ -91,6 +92,27 @@ def test_continue_from_saved_state(pair):
     for token in tail:
         step = runner.decode([3], [token])[0]
     assert rel_err(step, ref) <= TOLERANCE
+
+
+def test_a_state_tuned_file_starts_where_the_rwkv_package_starts_from_it(pair):
+    """RWKV-PEFT's time_state [H, N, N] a layer, loaded as ChatRWKV's demos load it into the
+    reference (transposed); ours reads it through init_states."""
+    runner, reference = pair
+    cfg = runner.config
+    gen = torch.Generator().manual_seed(5)
+    tuned = {f"blocks.{i}.att.time_state": torch.randn(cfg.n_head, cfg.head_size, cfg.head_size, generator=gen)
+             for i in range(cfg.n_layer)}
+    runner.write_state(1, state_from_tensors(tuned, cfg))
+    tokens = prompt(11, runner.vocab_size, 6)
+    ours = runner.prefill([1], [tokens])[0]
+    ref_state = []
+    for i in range(cfg.n_layer):
+        wkv = tuned[f"blocks.{i}.att.time_state"].transpose(1, 2).contiguous()
+        ref_state += [torch.zeros(cfg.n_embd), wkv, torch.zeros(cfg.n_embd)]
+    ref, _ = reference_run(reference, tokens, ref_state)
+    assert rel_err(ours, ref) <= TOLERANCE
+    zero, _ = reference_run(reference, tokens)
+    assert rel_err(zero, ref) > 10 * TOLERANCE  # (the state matters)
 
 
 def test_rows_of_different_lengths_in_one_call(pair):
