@@ -263,8 +263,8 @@ class _PinnedPlaces:
 
     def _pin(self, size: int, free: list[Tensor]) -> bool:
         """One more slab of places of `size` bytes into `free` (a spare one if the process has
-        it); False at the limit, or once pinning has failed (the process's locked-memory limit,
-        which a retry would meet again): demotions then copy synchronously to ordinary memory."""
+        it); False at the limit, or once pinning has failed (the host out of memory to lock, which
+        a retry would meet again): demotions then copy synchronously to ordinary memory."""
         if self.failed or self.pinned >= self.limit:
             return False
         spares = _spare_slabs.get(SLAB_PLACES * size)
