@@ -34,10 +34,20 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from replicas.engine import Delta, Engine, EngineConfig, Finished, Request
+    from replicas.init_states import InitState, InitStateError, state_file_bytes, state_from_bytes
     from replicas.model.loader import open_model
     from replicas.sampling import SamplingParams
 
     runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=_say)
+    init = None
+    if args.state:  # checked before the engine starts: a file that does not fit is one line
+        try:
+            data = state_file_bytes(Path(args.state).read_bytes(), runner.config)
+            init = InitState("cli", Path(args.state).stem, state_from_bytes(data, runner.config), default=True)
+        except OSError as err:
+            raise CliError(f"--state {args.state}: {err.strerror}") from None
+        except InitStateError as err:
+            raise CliError(f"--state {args.state}: {err}") from None
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop or ()),
@@ -57,6 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     engine.start()
     try:
+        if init is not None:
+            engine.load_init_state(init)
         finished = asyncio.run(stream())
     finally:
         engine.stop()
@@ -98,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
+    generate.add_argument("--state", help="an init state to start from: our safetensors, or a state-tuned "
+                                          "model's .pth or safetensors (RWKV-PEFT's time_state)")
     generate.set_defaults(run=cmd_generate)
 
     serve = sub.add_parser("serve", help="start a local Ray and serve the OpenAI-compatible API")

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from replicas.model.checkpoint import load_model, save_pth
 from replicas.model.config import ModelConfig
+from replicas.model.loader import default_model_dir
 from replicas.model.rwkv7 import RWKV7, init_random
 
 SMALL = ModelConfig(n_layer=2, n_embd=64, head_size=32, vocab_size=65536, ffn_dim=96,
@@ -59,6 +61,21 @@ def test_generate_uses_the_demo_model_by_default():
     assert "rwkv7-demo-pystdlib" in result.stderr
 
 
+def test_generate_starts_from_a_state_tuned_file(tmp_path):
+    demo = ModelConfig.from_tensors(load_file(default_model_dir() / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    tuned = {f"blocks.{i}.att.time_state": torch.randn(demo.n_head, demo.head_size, demo.head_size, generator=gen)
+             for i in range(demo.n_layer)}  # RWKV-PEFT's layout
+    torch.save(tuned, tmp_path / "tuned.pth")
+    save_file(tuned, tmp_path / "tuned.safetensors")
+    greedy = ("--max-tokens", "12", "--temperature", "0", "def ")
+    texts = [cli("generate", *state, *greedy) for state in
+             ((), ("--state", str(tmp_path / "tuned.pth")), ("--state", str(tmp_path / "tuned.safetensors")))]
+    assert all(t.returncode == 0 for t in texts), [t.stderr for t in texts]
+    plain, from_pth, from_safetensors = (t.stdout for t in texts)
+    assert from_pth == from_safetensors != plain
+
+
 def test_convert_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"this is not a checkpoint")
@@ -98,6 +115,9 @@ def test_convert_needs_a_tokenizer_for_another_vocabulary(tmp_path):
 def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("generate", "--model", str(tmp_path), "x"), "config.json")
     refused(cli("generate", "--temperature", "9", "x"), "temperature")
+    refused(cli("generate", "--state", str(tmp_path / "none.pth"), "x"), "none.pth: No such file")
+    (tmp_path / "text.pth").write_text("not a state")
+    refused(cli("generate", "--state", str(tmp_path / "text.pth"), "x"), "text.pth: not a safetensors file")
     refused(cli("serve", "--port", "99999999"), "port: Input should be less than or equal to 65535")
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  max_slots: 0\n")
