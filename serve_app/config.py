@@ -21,6 +21,7 @@ from replicas.deployment import ReplicaConfig
 from replicas.engine import EngineConfig
 
 from .chat import ChatTemplate
+from .protocol import StateFromFile
 
 # gRPC's messages are unbounded (-1) where Serve would take its 4 MB default: a request carries its
 # prompt, pickled at 3-5 bytes a token, so 4 MB refused prompts past about 1.3M tokens (a 500), and
@@ -62,7 +63,7 @@ class Autoscaling(BaseModel):
     @model_validator(mode="after")
     def _ordered(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
-            raise ValueError("autoscaling: min_replicas is above max_replicas")
+            raise ValueError("min_replicas is above max_replicas")
         return self
 
 
@@ -112,11 +113,20 @@ class AppConfig(BaseModel):
     chat: ChatTemplate = ChatTemplate()
     default_max_tokens: int = Field(1024, ge=1, description="chat completions' max_tokens when a request sets none")
     states_dir: Path | None = Field(None, description="init states POST /v1/states may load by file name")
+    init_states: list[StateFromFile] = Field(
+        [], description="files of states_dir loaded as init states when an ingress replica starts, each unless the "
+        "catalog already has a state of its name (one DELETEd stays so until an ingress restarts)")
     stream: StreamSettings = StreamSettings()
     metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas push their metrics")
     state_sync_timeout_s: float = Field(30.0, gt=0, description="how long POST /v1/states waits for every replica")
 
     model_config = {"extra": "forbid"}  # a misspelt knob in a config file is an error, not a silent default
+
+    @model_validator(mode="after")
+    def _states_from_a_directory(self) -> AppConfig:
+        if self.init_states and self.states_dir is None:
+            raise ValueError("init_states: name files of states_dir, which is not set")
+        return self
 
     @field_validator("model", "states_dir")
     @classmethod
@@ -198,7 +208,12 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     try:
         return AppConfig.model_validate(values)
     except ValidationError as err:  # one line for the command line: "engine.max_slots: Input should be ..."
-        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())) from None
+        raise ValueError("; ".join(_said(e) for e in err.errors())) from None
+
+
+def _said(error: dict) -> str:
+    message = error["msg"].removeprefix("Value error, ")  # (pydantic's prefix to a validator's own message)
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -162,7 +162,7 @@ async def sse(events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: AppConfig, replica: DeploymentHandle, connect_registry=registry.connect):
+    async def __init__(self, config: AppConfig, replica: DeploymentHandle, connect_registry=registry.connect):
         self.config = config
         self.replica = replica
         model_dir = config.model or default_model_dir()
@@ -174,6 +174,7 @@ class Ingress:
         self.created = int(time.time())
         self.registry = connect_registry(serve.get_replica_context().app_name)
         self.states = StateCatalog(self.registry, self.model_config, config.states_dir, config.state_sync_timeout_s)
+        await self.states.load_configured(config.init_states)
 
     # -- generation ------------------------------------------------------------------------
 

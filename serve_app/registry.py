@@ -91,9 +91,12 @@ class Registry:
 
     # -- the init-state catalog ------------------------------------------------------------
 
-    async def put_state(self, name: str, data: bytes, default: bool) -> tuple[dict, int]:
-        """Adds a state, or replaces the one with this name (keeping its id); returns it and the version."""
+    async def put_state(self, name: str, data: bytes, default: bool, if_absent: bool = False) -> tuple[dict, int]:
+        """Adds a state, or replaces the one with this name (keeping its id; with `if_absent`, keeps
+        the one there); returns it and the version."""
         old = self._find(name)
+        if old is not None and if_absent:
+            return old.summary(), self._version
         if default:
             for entry in self._entries.values():
                 entry.default = False

@@ -9,6 +9,7 @@ application and registry on a cluster it joined — and returning normally. Neve
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import os
@@ -50,14 +51,19 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _check_model(config: AppConfig) -> None:
-    """Fails fast, with one line, on a model directory the replicas could not open."""
+    """Fails fast, with one line, on a model directory the replicas could not open, or on an init
+    state of the config that does not fit it."""
     from replicas.model.config import read_config  # noqa: PLC0415
     from replicas.model.loader import default_model_dir  # noqa: PLC0415
 
+    from .states import StateCatalog  # noqa: PLC0415
+
     model_dir = config.model or default_model_dir()
-    _, card = read_config(model_dir)
+    model, card = read_config(model_dir)
     if not (model_dir / card.tokenizer).is_file():
         raise CliError(f"{model_dir}: tokenizer file {card.tokenizer!r} is missing")
+    catalog = StateCatalog(None, model, config.states_dir, config.state_sync_timeout_s)
+    asyncio.run(catalog.read_configured(config.init_states))  # the files the ingress will load
 
 
 def _local_cpus(config: AppConfig) -> int:

@@ -2,8 +2,9 @@
 
 Owns what may become an init state: a safetensors upload whose tensors fit the model (checked
 here, before any replica sees it), or a file named inside the configured states directory (by
-file name only: never a path a client chose). A load or unload returns once every live replica
-has applied it, or reports the replicas that had not within the timeout. Never touches engines.
+file name only: never a path a client chose), among them the config's `init_states`, which an
+ingress replica loads as it starts. A load or unload returns once every live replica has applied
+it, or reports the replicas that had not within the timeout. Never touches engines.
 """
 
 from __future__ import annotations
@@ -38,6 +39,43 @@ class StateCatalog:
         return InitStateList(data=[InitStateObject(**e) for e in entries], version=version)
 
     async def load(self, name: str | None, data: bytes, default: bool) -> InitStateLoaded:
+        await self._check(name, data)
+        entry, version = await self.registry.put_state.remote(name, data, default)
+        acked, pending = await self.registry.wait_acked.remote(version, self.sync_timeout_s)
+        return InitStateLoaded(**entry, replicas=len(acked), pending_replicas=pending)
+
+    async def load_file(self, request: StateFromFile) -> InitStateLoaded:
+        name, data = await self._read(request)
+        return await self.load(name, data, request.default)
+
+    async def load_configured(self, files: list[StateFromFile]) -> None:
+        """The config's init states, each unless the catalog has one of its name, without waiting
+        for replicas (an ingress replica's start: replicas load them as they start, or as they
+        would an upload). A file that does not fit fails the start, naming it."""
+        for name, data, default in await self.read_configured(files):
+            await self.registry.put_state.remote(name, data, default, if_absent=True)
+
+    async def read_configured(self, files: list[StateFromFile]) -> list[tuple[str, bytes, bool]]:
+        """(name, safetensors bytes, default) of each of the config's init states, checked; a
+        ValueError naming the first that does not fit (`rwkv-fleet serve` checks before Ray starts)."""
+        states = []
+        for request in files:
+            try:
+                name, data = await self._read(request)
+                await self._check(name, data)
+            except ApiError as err:
+                raise ValueError(f"init_states: {request.file}: {err.message}") from None
+            states.append((name, data, request.default))
+        return states
+
+    async def unload(self, key: str) -> InitStateDeleted:
+        entry, version = await self.registry.delete_state.remote(key)
+        if entry is None:
+            raise ApiError(404, f"init state {key!r} is not loaded", param="init_state", code="init_state_not_found")
+        await self.registry.wait_acked.remote(version, self.sync_timeout_s)
+        return InitStateDeleted(id=entry["id"])
+
+    async def _check(self, name: str | None, data: bytes) -> None:
         if not name or not _NAME.match(name):
             raise ApiError(400, "name: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
                            param="name")
@@ -47,25 +85,16 @@ class StateCatalog:
             await asyncio.to_thread(state_from_bytes, data, self.model)
         except InitStateError as err:
             raise ApiError(400, str(err), param="file") from None
-        entry, version = await self.registry.put_state.remote(name, data, default)
-        acked, pending = await self.registry.wait_acked.remote(version, self.sync_timeout_s)
-        return InitStateLoaded(**entry, replicas=len(acked), pending_replicas=pending)
 
-    async def load_file(self, request: StateFromFile) -> InitStateLoaded:
+    async def _read(self, request: StateFromFile) -> tuple[str, bytes]:
+        """(its name, its safetensors bytes): a state-tuned model's .pth is converted here."""
         path = self._file(request.file)
         data = await asyncio.to_thread(path.read_bytes)
-        try:  # (a state-tuned model's .pth becomes our safetensors here)
+        try:
             data = await asyncio.to_thread(state_file_bytes, data, self.model)
         except InitStateError as err:
             raise ApiError(400, str(err), param="file") from None
-        return await self.load(request.name or path.stem, data, request.default)
-
-    async def unload(self, key: str) -> InitStateDeleted:
-        entry, version = await self.registry.delete_state.remote(key)
-        if entry is None:
-            raise ApiError(404, f"init state {key!r} is not loaded", param="init_state", code="init_state_not_found")
-        await self.registry.wait_acked.remote(version, self.sync_timeout_s)
-        return InitStateDeleted(id=entry["id"])
+        return request.name or path.stem, data
 
     def _file(self, name: str) -> Path:
         """A file directly inside the states directory, by name; anything else is refused."""

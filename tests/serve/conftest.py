@@ -84,6 +84,7 @@ def served(tmp_path_factory):
     (root / "outside.safetensors").write_bytes(random_state_bytes(seed=12))
     config = AppConfig(
         model=model_dir, replicas=REPLICAS, num_cpus=0, states_dir=states_dir, max_queued_requests=QUEUED,
+        init_states=[{"file": "persona.safetensors", "name": "configured"}],
         engine={"max_slots": SLOTS, "max_waiting": WAITING, "max_prompt_tokens": MAX_PROMPT_TOKENS},
         metrics_interval_s=0.2, state_sync_timeout_s=20,
     )
