@@ -6,9 +6,9 @@ the weights), SSE framing, and the mapping of errors to statuses. Generation goe
 deployment through `streams.ChoiceStreams`; init states and metrics go through the registry.
 Never touches model state or a GPU.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
-GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
-/openapi.json and /docs.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
+GET /v1/models[/{id}], GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the
+OpenAPI schema is at /openapi.json and /docs.
 """
 
 
@@ -42,12 +42,16 @@ from .protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    Detokenized,
+    DetokenizeRequest,
     InitStateDeleted,
     InitStateList,
     InitStateLoaded,
     ModelList,
     ModelObject,
     StateFromFile,
+    Tokenized,
+    TokenizeRequest,
     sampling_params,
 )
 from .responses import ChatFormat, CompletionFormat, collect, stream_events, usage_of
@@ -247,10 +251,10 @@ class Ingress:
             return [await self._encode(p) for p in prompt]
         return [self._token_ids(p) for p in prompt]
 
-    def _token_ids(self, ids: list[int]) -> list[int]:
+    def _token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise ApiError(400, f"{param} token ids must be in [0, {vocab})", param=param)
         return list(ids)
 
     async def _encode(self, text: str) -> list[int]:
@@ -265,6 +269,22 @@ class Ingress:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    @api.post("/tokenize", summary="Token ids of a prompt, or of chat messages as a chat completion sees them")
+    async def tokenize(self, body: TokenizeRequest) -> Tokenized:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        text = body.prompt if body.messages is None else chat.render(body.messages, self.config.chat)
+        tokens = await self._encode(text)
+        return Tokenized(count=len(tokens), tokens=tokens)
+
+    @api.post("/detokenize", summary="The text of token ids")
+    async def detokenize(self, body: DetokenizeRequest) -> Detokenized:
+        self._check_model(body.model)
+        return Detokenized(prompt=self.tokenizer.decode(self._token_ids(body.tokens, "tokens")))
 
     # -- models ----------------------------------------------------------------------------
 

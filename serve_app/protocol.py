@@ -152,6 +152,19 @@ class StateFromFile(BaseModel):
     default: bool = Field(False, description="requests that name no init state start from this one")
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, or chat messages as the chat template renders them for a reply."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------------------------
 # responses
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +273,15 @@ class ModelObject(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject]
+
+
+class Tokenized(BaseModel):
+    count: int
+    tokens: list[int]
+
+
+class Detokenized(BaseModel):
+    prompt: str
 
 
 class InitStateObject(BaseModel):

@@ -178,6 +178,24 @@ def test_malformed_bodies_and_unknown_fields(client):
     assert client.get("/v1/nowhere").json()["error"]["message"]
 
 
+def test_tokenize_counts_what_a_request_will_and_detokenize_inverts_it(client):
+    text = "Hello, wörld: 3 + 4 = 7"
+    tokenized = client.post("/tokenize", json={"prompt": text}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == complete(client, prompt=text)["usage"]["prompt_tokens"]
+    assert client.post("/detokenize", json={"tokens": tokenized["tokens"]}).json() == {"prompt": text}
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).json()
+    assert client.post("/tokenize", json={"messages": messages}).json()["count"] == chat["usage"]["prompt_tokens"]
+
+    for body, status, param in [({}, 400, "prompt"), ({"prompt": "x", "messages": messages}, 400, "prompt"),
+                                ({"prompt": "x", "model": "other"}, 404, "model")]:
+        response = client.post("/tokenize", json=body)
+        assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+    response = client.post("/detokenize", json={"tokens": [1, 10**9]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+
+
 def test_models_health_and_schema(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
@@ -185,4 +203,4 @@ def test_models_health_and_schema(client):
     assert client.get("/v1/models/other").status_code == 404
     assert client.get("/health").json()["status"] == "ok"
     schema = client.get("/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/states", "/metrics"} <= set(schema["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/states", "/metrics"} <= set(schema["paths"])
