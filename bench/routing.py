@@ -11,7 +11,10 @@ later turns found the previous prompt's state cached, the share of their prompt 
 from a cache, and their latency.
 
     python bench/routing.py [--replicas 2] [--ingress 1] [--threads 8] [--turns 3] [--prefix 1000]
-                            [--step 100] [--concurrent] [--full-holder [--slots 2]]
+                            [--step 100] [--concurrent] [--full-holder [--slots 2]] [--random 1.5b]
+
+With --random SHAPE, a random model of a released shape (bench/gpu.py's SHAPES) instead of the
+demo model; on a machine with GPUs each replica takes one.
 
 With --ingress 2 the HTTP side has two replicas, each routing about half the requests (the
 state-affinity routers share their records through the registry).
@@ -32,6 +35,7 @@ import random
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,12 +138,20 @@ def main() -> None:
     parser.add_argument("--full-holder", action="store_true",
                         help="the holder's slots full at each later turn: states moved against prefilled")
     parser.add_argument("--slots", type=int, default=2, help="slots per replica with --full-holder")
+    parser.add_argument("--random", help="a random model of this shape (0.1b, 1.5b, 7.2b) instead of the demo model")
     args = parser.parse_args()
 
     import ray  # noqa: PLC0415
+    import torch  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
+    from served import random_checkpoint  # noqa: PLC0415 (beside this file)
 
-    say(f"starting a local Ray for {args.replicas} replicas of the demo model")
+    scratch = tempfile.TemporaryDirectory()
+    model_dir = random_checkpoint(args.random, Path(scratch.name) / args.random) if args.random else None
+    gpus = torch.cuda.device_count()
+    what = (f"{'random ' + args.random if args.random else 'demo'} model, "
+            f"{f'a GPU each ({torch.cuda.get_device_name()})' if gpus else 'CPU'}")
+    say(f"starting a local Ray for {args.replicas} replicas ({what})")
     ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     start_serve("127.0.0.1", port)
@@ -151,8 +163,8 @@ def main() -> None:
         for name, settings in cases.items():
             say(f"{name}: deploying")
             engine = {"max_slots": args.slots} if args.full_holder else {}
-            config = AppConfig(replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0, engine=engine,
-                               **settings)
+            config = AppConfig(model=model_dir, replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0,
+                               engine=engine, **settings)
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
             run = run_full_holder if args.full_holder else run_threads
             rows[name] = asyncio.run(run(f"http://127.0.0.1:{port}", args))
@@ -162,11 +174,11 @@ def main() -> None:
         ray.shutdown()
 
     if args.full_holder:
-        print(f"{args.replicas} replicas (demo model, CPU, {args.slots} slots each), {args.threads} threads of "
+        print(f"{args.replicas} replicas ({what}, {args.slots} slots each), {args.threads} threads of "
               f"{args.prefix} tokens, each's next turn of +{args.step} tokens sent while the replica holding its "
               "first prompt has every slot taken:\n")
     else:
-        print(f"{args.replicas} replicas (demo model, CPU), {args.ingress} ingress replica(s), "
+        print(f"{args.replicas} replicas ({what}), {args.ingress} ingress replica(s), "
               f"{args.threads} threads of {args.prefix} tokens, "
               f"{args.turns} later turns of +{args.step} tokens each, "
               f"{'a turn of every thread at once' if args.concurrent else 'one request at a time'}; "
