@@ -14,7 +14,8 @@ from a cache, and their latency.
                             [--step 100] [--concurrent] [--full-holder [--slots 2]] [--random 1.5b]
 
 With --random SHAPE, a random model of a released shape (bench/gpu.py's SHAPES) instead of the
-demo model; on a machine with GPUs each replica takes one.
+demo model; on a machine with GPUs each replica takes one, or a share of one where there are
+fewer GPUs than replicas.
 
 With --ingress 2 the HTTP side has two replicas, each routing about half the requests (the
 state-affinity routers share their records through the registry).
@@ -149,8 +150,9 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory()
     model_dir = random_checkpoint(args.random, Path(scratch.name) / args.random) if args.random else None
     gpus = torch.cuda.device_count()
+    share = min(1.0, gpus / args.replicas)
     what = (f"{'random ' + args.random if args.random else 'demo'} model, "
-            f"{f'a GPU each ({torch.cuda.get_device_name()})' if gpus else 'CPU'}")
+            f"{f'{share:g} of a GPU each ({torch.cuda.get_device_name()})' if gpus else 'CPU'}")
     say(f"starting a local Ray for {args.replicas} replicas ({what})")
     ray.init(num_cpus=max(2, args.replicas), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
@@ -164,7 +166,7 @@ def main() -> None:
             say(f"{name}: deploying")
             engine = {"max_slots": args.slots} if args.full_holder else {}
             config = AppConfig(model=model_dir, replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0,
-                               engine=engine, **settings)
+                               num_gpus=share, engine=engine, **settings)
             serve.run(build_app(config), name=APP_NAME, route_prefix="/")
             run = run_full_holder if args.full_holder else run_threads
             rows[name] = asyncio.run(run(f"http://127.0.0.1:{port}", args))
