@@ -147,8 +147,8 @@ def main() -> None:
     from ray import serve  # noqa: PLC0415
     from served import random_checkpoint  # noqa: PLC0415 (beside this file)
 
-    scratch = tempfile.TemporaryDirectory()
-    model_dir = random_checkpoint(args.random, Path(scratch.name) / args.random) if args.random else None
+    scratch = tempfile.TemporaryDirectory() if args.random else None
+    model_dir = random_checkpoint(args.random, Path(scratch.name) / args.random) if scratch else None
     gpus = torch.cuda.device_count()
     share = min(1.0, gpus / args.replicas)
     what = (f"{'random ' + args.random if args.random else 'demo'} model, "

@@ -40,7 +40,7 @@ class InitState:
         return f"{self.id}@{self.version}"
 
 
-LAYOUTS = ("an init state holds 'wkv' [L, H, N, N] and optionally 'att_shift', 'ffn_shift' [L, C], "
+_LAYOUTS = ("an init state holds 'wkv' [L, H, N, N] and optionally 'att_shift', 'ffn_shift' [L, C], "
            "or a state-tuned model's 'blocks.{i}.att.time_state' [H, N, N] for every layer i")
 _TIME_STATE = re.compile(r"blocks\.(\d+)\.att\.time_state")
 
@@ -51,7 +51,7 @@ def state_from_tensors(tensors: dict[str, Tensor], config: ModelConfig) -> RNNSt
         tensors = _from_time_states(tensors, config)
     unknown = set(tensors) - {"wkv", "att_shift", "ffn_shift"}
     if "wkv" not in tensors or unknown or not all(isinstance(t, Tensor) for t in tensors.values()):
-        raise InitStateError(LAYOUTS)
+        raise InitStateError(_LAYOUTS)
     expected = {"wkv": (L, H, N, N), "att_shift": (L, C), "ffn_shift": (L, C)}
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected[name]:
@@ -107,7 +107,7 @@ def state_file_bytes(data: bytes, config: ModelConfig) -> bytes:
     except Exception as err:  # torch raises many types for a damaged or unsafe pickle
         raise InitStateError(f"not a PyTorch state file ({' '.join(str(err).split())[:100]})") from None
     if not isinstance(tensors, dict):
-        raise InitStateError(LAYOUTS)
+        raise InitStateError(_LAYOUTS)
     return state_to_bytes(state_from_tensors(tensors, config))
 
 

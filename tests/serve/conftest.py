@@ -78,7 +78,9 @@ def served(tmp_path_factory):
     states_dir = root / "states"
     states_dir.mkdir()
     (states_dir / "persona.safetensors").write_bytes(random_state_bytes(seed=11))
-    time_states = {f"blocks.{i}.att.time_state": torch.randn(TINY.n_head, TINY.head_size, TINY.head_size).bfloat16()
+    gen = torch.Generator().manual_seed(13)
+    time_states = {f"blocks.{i}.att.time_state":
+                   torch.randn(TINY.n_head, TINY.head_size, TINY.head_size, generator=gen).bfloat16()
                    for i in range(TINY.n_layer)}  # a state-tuned model's file (RWKV-PEFT)
     torch.save(time_states, states_dir / "tuned.pth")
     (root / "outside.safetensors").write_bytes(random_state_bytes(seed=12))

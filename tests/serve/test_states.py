@@ -42,7 +42,7 @@ def test_an_uploaded_state_is_used_on_every_replica(client, base_url):
     loaded = response.json()
     assert loaded["object"] == "init_state" and loaded["name"] == "poet" and loaded["replicas"] == REPLICAS
     listed = client.get("/v1/states").json()
-    assert "poet" in names(client) and listed["version"] >= loaded["version"]
+    assert "poet" in {s["name"] for s in listed["data"]} and listed["version"] >= loaded["version"]
 
     # Every replica answers requests naming it (by name and by id) with the same greedy text,
     # which is not the zero state's.
