@@ -11,7 +11,8 @@ and iterate its events. One step of the loop:
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
-  5. sample every row that has fresh logits, and feed the rows that max_tokens does not end
+  5. sample every row that has fresh logits (a row in JSON mode from the tokens its JSON allows
+     next), and feed the rows that max_tokens does not end
      their tokens before the host reads them (one decode call, queued on a GPU behind the choice,
      with the tokens where the sampler wrote them; a row whose token is an end token is not fed);
      then read the tokens and emit text while the device decodes. On a GPU a step's events reach
@@ -45,6 +46,7 @@ from pydantic import BaseModel, Field
 from torch import Tensor
 
 from .init_states import InitState, InitStateError
+from .json_grammar import JsonGrammar
 from .model.state import RNNState
 from .output import OutputStream
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
@@ -282,6 +284,7 @@ class Engine:
         self._waiting: deque[_Row] = deque()
         self._idle_logits: dict[int, Tensor] = {}  # idle slot -> logits after its tokens
         self._decoded: tuple[list[_Row], Tensor] | None = None  # the last decode call's rows and logits
+        self._json: JsonGrammar | None = None  # made at the first request in JSON mode
         self._uids = itertools.count(1)
         self._steps = 0  # steps run
         # model calls return before the device runs them (CUDA), and the host waits only to sample;
@@ -352,7 +355,8 @@ class Engine:
                 raise EngineBusy()
             self._in_flight += 1
         p = request.params
-        row = _Row(stream.uid, request, stream, init, OutputStream(self.tokenizer, p), random.Random(p.seed))
+        output = OutputStream(self.tokenizer, p, self._json_grammar() if p.json_object else None)
+        row = _Row(stream.uid, request, stream, init, output, random.Random(p.seed))
         self._send(("submit", row))
 
     def cancel(self, uid: int) -> None:
@@ -630,7 +634,7 @@ class Engine:
         params = [row.request.params for row in rows]
         try:
             chosen = self.sampler.choose(self._logits_of(rows), [row.slot for row in rows], params,
-                                         [row.rng.random() for row in rows])
+                                         [row.rng.random() for row in rows], self._banned(rows))
             # the events made since the last hand-over go to the callers while the host feeds the
             # decode and waits for the device: their event loop then runs beside the wait, not
             # beside the next step
@@ -653,6 +657,19 @@ class Engine:
             self._deliver(row, Delta(step.text, (token,), None if logprob is None else (logprob,)))
             if step.finish:
                 self._finish(row, step.finish)
+
+    def _banned(self, rows: list[_Row]) -> list[Tensor | None] | None:
+        """Each row's banned tokens (JSON mode), or None when no row has any."""
+        if self._json is None or all(row.output.json is None for row in rows):
+            return None
+        return [None if row.output.json is None else self._json.banned(row.output.json) for row in rows]
+
+    def _json_grammar(self) -> JsonGrammar:
+        """The tokenizer's JSON grammar, built at the first request in JSON mode (any thread)."""
+        with self._lock:
+            if self._json is None:
+                self._json = JsonGrammar(self.tokenizer, self.runner.device)
+            return self._json
 
     def _logits_of(self, rows: list[_Row]) -> Tensor:
         """The rows' logits as one tensor: the last decode call's as they came when the rows are

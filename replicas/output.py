@@ -1,14 +1,16 @@
 """One request's output: tokens -> text that is safe to show, and the reason it ends.
 
 Owns detokenizing (never half a UTF-8 character), stop strings (text that could still become a
-stop string is held back, so a client never sees the start of one), stop tokens, end of text and
-max_tokens. Never touches the model or the batch.
+stop string is held back, so a client never sees the start of one), stop tokens, end of text,
+max_tokens, and in JSON mode the row's place in its JSON object (json_grammar.py), which ends the
+row when the object closes. Never touches the model or the batch.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from .json_grammar import DONE, START_STATE, JsonGrammar, State
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, Utf8Stream
 
@@ -21,8 +23,12 @@ class Step(NamedTuple):
 
 
 class OutputStream:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, grammar: JsonGrammar | None = None):
+        """grammar: the engine's, for a request in JSON mode (params.json_object)."""
         self.params = params
+        self.grammar = grammar if params.json_object else None
+        # JSON mode: the state after the tokens so far; None: not in JSON mode, or it has ended
+        self.json: State | None = START_STATE if self.grammar is not None else None
         self.utf8 = Utf8Stream(tokenizer)
         self.end_tokens = set(params.stop_token_ids)
         if tokenizer.eos_token_id is not None and not params.ignore_eos:
@@ -51,6 +57,11 @@ class OutputStream:
         if cut is not None:
             text, self.held = self.held[:cut], ""
             return Step(text, "stop")
+        if self.json is not None:
+            self.json = self.grammar.advance(self.json, token)
+            if self.json is None or self.json[1] == DONE:  # (None: a token the mask let through; never)
+                self.json = None
+                return Step(self.release(), "stop")
         if self.count >= self.params.max_tokens:
             return Step(self.release(), "length")
         keep = self._possible_stop_start() if self.stops else 0

@@ -17,6 +17,7 @@ device runs instead of the torch lines here (they stay as its reference, and as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n others
+    json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +129,8 @@ class Chosen:
             top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if len(self._host) > 2 else ([], [])
             for j, i in enumerate(self._rows):
                 n = self._params[i].logprobs or 0
-                top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True)) if n else ()
+                # (a JSON row may allow fewer than n tokens: its banned ones, at -inf, are left out)
+                top = tuple((t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True) if v != -math.inf)
                 logprobs[i] = TokenLogprob(tokens[i], chosen[j], top)
         return SampleOutput(tokens, logprobs)
 
@@ -175,11 +178,16 @@ class Sampler:
 
     @torch.no_grad()
     def choose(self, logits: Tensor, slots: Sequence[int], params: Sequence[SamplingParams],
-               uniforms: Sequence[float]) -> Chosen:
+               uniforms: Sequence[float], banned: Sequence[Tensor | None] | None = None) -> Chosen:
         """sample's choice, queued on the logits' device: its tokens can feed the model before the
-        host has read them (Chosen.result waits for them, and for nothing queued after them)."""
+        host has read them (Chosen.result waits for them, and for nothing queued after them).
+        banned: per row, None or bool [V] on the device, True for tokens the row may not take
+        (JSON mode); at least one token of such a row must be allowed."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
+        for i, mask in enumerate(banned or ()):
+            if mask is not None:
+                x[i].masked_fill_(mask, float("-inf"))
         if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
             from .sampling_kernel import SlotParams, sample  # noqa: PLC0415 (Triton: only where a GPU is)
 

@@ -64,6 +64,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="json_object: the output is one JSON object (end of text and stop tokens wait for it to close)")
+    json_schema: dict[str, Any] | None = None
+
+
 class _Sampling(BaseModel):
     """Fields both generation endpoints take."""
 
@@ -84,10 +90,21 @@ class _Sampling(BaseModel):
     penalty_decay: float | None = Field(None, description="RWKV extension: penalty counts decay by this per token")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = Field(
+        None, description="{\"type\": \"json_object\"} for JSON mode (on completions too, as an extension)")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def json_object(self) -> bool:
+        return self.response_format is not None and self.response_format.type == "json_object"
+
+    def refuse_unsupported(self) -> None:
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            raise ApiError(400, "the json_schema response format is not supported; json_object is (any JSON object)",
+                           param="response_format")
 
 
 class CompletionRequest(_Sampling):
@@ -99,6 +116,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
@@ -133,13 +151,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
         if self.tools:
             raise ApiError(400, "tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only the text response format is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -333,6 +349,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        json_object=req.json_object,
     )
 
 

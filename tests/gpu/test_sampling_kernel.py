@@ -116,3 +116,29 @@ def test_kernel_on_awkward_rows():
     assert kernel.sample(x[:1].to(DEVICE), [0], [SamplingParams(top_k=2, top_p=0.6)], [0.999]).tokens == [0]
     # a uniform number of 0 draws the first kept token, not the vocabulary's first
     assert kernel.sample(x[2:3].to(DEVICE), [0], [SamplingParams(top_k=3)], [0.0]).tokens == [1]
+
+
+def test_banned_tokens_json_mode_are_never_chosen_nor_listed():
+    """A row's banned tokens (JSON mode's mask) at -inf: the kernel and the torch lines choose the
+    same allowed tokens, greedy or sampled, past top-k and top-p, biased or penalised, and the
+    top logprobs list only allowed tokens, fewer than asked where fewer are allowed."""
+    vocab, gen = 3000, torch.Generator().manual_seed(7)
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(top_k=50, top_p=0.9, logprobs=5),
+              SamplingParams(temperature=1.5, logit_bias={3: 100.0}), SamplingParams(presence_penalty=2.0),
+              SamplingParams(temperature=1.0)]
+    allowed = [torch.randperm(vocab, generator=gen)[:n] for n in (3, 2, 40, 1, 700)]
+    banned = [torch.ones(vocab, dtype=torch.bool).index_fill_(0, a, False).to(DEVICE) for a in allowed]
+    banned[4] = None  # a row not in JSON mode beside them
+    slots = list(range(len(params)))
+    torch_lines = Sampler(len(params), vocab, DEVICE, kernel=False)
+    kernel = Sampler(len(params), vocab, DEVICE, kernel=True)
+    for _ in range(4):
+        logits = (torch.randn(len(params), vocab, generator=gen) * 4).to(DEVICE)
+        uniforms = torch.rand(len(params), generator=gen).tolist()
+        ours = kernel.choose(logits, slots, params, uniforms, banned).result()
+        ref = torch_lines.choose(logits, slots, params, uniforms, banned).result()
+        assert ours.tokens == ref.tokens and ours.logprobs == ref.logprobs
+        for i in range(4):
+            assert ours.tokens[i] in allowed[i].tolist()
+        assert [len(ours.logprobs[i].top) for i in (0, 1)] == [3, 2]
+        assert all(t in allowed[i].tolist() for i in (0, 1) for t, _ in ours.logprobs[i].top)

@@ -204,3 +204,31 @@ def test_models_health_and_schema(client):
     assert client.get("/health").json()["status"] == "ok"
     schema = client.get("/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/states", "/metrics"} <= set(schema["paths"])
+
+
+def test_json_mode_over_http(client, tokenizer):
+    """response_format json_object: each choice is a JSON object, or the start of one where
+    max_tokens cut it; chat's own stop strings do not cut it; other formats are 400s."""
+    import json
+
+    from replicas.json_grammar import START_STATE, advance
+
+    messages = [{"role": "user", "content": "Give me a JSON object."}]
+    body = client.post("/v1/chat/completions", json={
+        "messages": messages, "response_format": {"type": "json_object"}, "n": 3, "seed": 1, "max_tokens": 48}).json()
+    for choice in body["choices"]:
+        text = choice["message"]["content"]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert advance(START_STATE, text.encode()) is not None, text
+    empty = tokenizer.encode("{}")
+    assert len(empty) == 1
+    events = stream(client, "/v1/completions", prompt="x = ", max_tokens=8, temperature=0,
+                    response_format={"type": "json_object"}, logit_bias={str(empty[0]): 100})
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "{}"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    for fmt in [{"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, {"type": "xml"}, {}]:
+        response = client.post("/v1/chat/completions", json={"messages": messages, "response_format": fmt})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith("response_format"), response.text

@@ -570,7 +570,7 @@ def test_logprobs_and_usage(parts):
             items = []
             async for event in engine.generate(Request(tok.encode(PROMPTS[2]), params)):
                 if isinstance(event, Delta):
-                    items += event.logprobs
+                    items += event.logprobs or ()
                 elif isinstance(event, Finished):
                     return items, event
 
@@ -660,5 +660,58 @@ def test_runner_state_matches_consumed_tokens_after_an_end_token(parts):
         ours = engine.call(lambda: engine.runner.read_state(0))
         ref = _state_after(parts, prompt + result.tokens[:-1])
         assert torch.allclose(ours.wkv, ref.wkv, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.stop()
+
+
+def test_json_mode_rows_write_json_beside_rows_that_do_not(parts, alone):
+    """Rows in JSON mode end when their object closes, each a JSON object (or, cut by max_tokens,
+    the start of one); their logprobs name allowed tokens only; a logit bias works within the
+    mask, never past it; the ordinary rows of the same batch give their greedy tokens as alone."""
+    import json
+
+    from replicas.json_grammar import START_STATE, advance
+
+    tok = parts[1]
+    close, empty = tok.encode("}")[0], tok.encode("{}")[0]
+    engine = make_engine(parts, max_slots=4)
+    try:
+        json_params = [SamplingParams(max_tokens=160, seed=seed, json_object=True, logprobs=4) for seed in range(6)]
+        # "}" cannot open the object, however biased; "{}" can
+        biased = SamplingParams(max_tokens=16, temperature=0.0, json_object=True,
+                                logit_bias={close: 100.0, empty: 50.0})
+        requests = [Request(tok.encode("settings = "), p) for p in [*json_params, biased]]
+        requests += [Request(tok.encode(prompt), GREEDY) for prompt in PROMPTS[:2]]
+
+        async def one(request: Request):
+            result, items = Result(), []
+            async for event in engine.generate(request):
+                if isinstance(event, Delta):
+                    result.tokens += event.token_ids
+                    result.text += event.text
+                    items += event.logprobs or ()
+                elif isinstance(event, Finished):
+                    result.finished = event
+            return result, items
+
+        results = run(gather(*(one(request) for request in requests)))
+        stopped = 0
+        for result, items in results[:6]:
+            if result.finished.reason == "stop":
+                assert isinstance(json.loads(result.text), dict), result.text
+                stopped += 1
+            else:
+                assert result.finished.reason == "length" and len(result.tokens) == 160
+                assert advance(START_STATE, result.text.encode()) is not None, result.text
+            assert len(items) == len(result.tokens)
+            for item in items:
+                assert 1 <= len(item.top) <= 4 and all(v > -float("inf") for _, v in item.top)
+                assert item.logprob > -float("inf")
+        assert stopped >= 4, [r.text for r, _ in results[:6]]
+        biased_result = results[6][0]
+        assert biased_result.finished.reason == "stop" and biased_result.text == "{}"
+        for (result, _), prompt in zip(results[7:], PROMPTS[:2], strict=True):
+            assert result.tokens == alone[prompt]
+        settle(engine)
     finally:
         engine.stop()

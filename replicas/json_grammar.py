@@ -1,0 +1,297 @@
+"""JSON mode: which tokens a row may take next so that its text stays the start of one JSON object.
+
+Owns a byte-level JSON machine (`step`, `advance`: a state after some bytes, None once they can
+start no JSON object) and, per tokenizer, the tokens it allows in each state (`JsonGrammar.banned`,
+memoised by state). Never touches the model, the batch or the text: the engine keeps a JSON row's
+state in its output stream, advances it by the tokens the row takes and ends the row when the
+object closes (finish "stop"); the sampler sets the banned tokens' logits to -inf. So end of text
+and stop tokens are banned until the object closes, and only max_tokens can cut it short.
+
+The machine is RFC 8259 with three bounds of its own, each keeping a row from running on where a
+model might loop: a top-level value must be an object (OpenAI's `json_object`), a run of
+whitespace is one space, or a newline and up to MAX_INDENT spaces or tabs (as llama.cpp's JSON
+grammar has it: no blank lines), and containers nest at most MAX_DEPTH deep. Strings are taken
+as bytes: control bytes and bad escapes are refused, UTF-8 is not checked (the text decodes with
+U+FFFD, which is still JSON).
+
+A state is (stack, mode, aux): `stack` the open containers as bytes (b"{[" is an array inside an
+object), `mode` one of the constants below, `aux` in modes that take whitespace its run so far
+(0 none, 1 a space, 2 + k a newline and k spaces or tabs), in HEX the hex digits left (×2, plus 1
+in a key), in LITERAL the literal and the position in it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from .tokenizer import Tokenizer
+
+MAX_INDENT = 20
+MAX_DEPTH = 32
+MEMO_STATES = 512  # banned-token masks kept per grammar (a mask is vocab_size bytes on the device)
+
+State = tuple[bytes, int, int]
+
+# modes that take whitespace (aux: the run so far)
+START, VALUE, ARRAY0, OBJECT0, KEY, COLON, NEXT, DONE = range(8)
+# inside a string, a value's or a key's
+STRING, KEY_STRING, ESCAPE, KEY_ESCAPE, HEX = range(8, 13)
+# inside a number: after "-", after a leading "0", in the integer, after ".", in the fraction,
+# after "e", after the exponent's sign, in the exponent
+N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(13, 21)
+LITERAL = 21
+
+START_STATE: State = (b"", START, 0)
+WS = frozenset(b" \t\n\r")  # (\r is refused: newlines are \n)
+DIGITS = frozenset(b"0123456789")
+HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
+LITERALS = (b"true", b"false", b"null")
+NUMBER_ENDS = {N_ZERO, N_INT, N_FRAC, N_EXP}  # a number may end in these
+QUOTE, BACKSLASH, OPEN_OBJECT, OPEN_ARRAY = b'"'[0], b"\\"[0], b"{"[0], b"["[0]
+
+
+def step(state: State, b: int) -> State | None:
+    """The state after one more byte, or None if no JSON object starts with the bytes so far."""
+    stack, mode, aux = state
+    if mode <= DONE:
+        if b in WS:
+            return _space(stack, mode, aux, b)
+        return _structural(stack, mode, b)
+    if mode == STRING or mode == KEY_STRING:
+        if b == QUOTE:
+            return (stack, COLON, 0) if mode == KEY_STRING else _after_value(stack)
+        if b == BACKSLASH:
+            return (stack, ESCAPE if mode == STRING else KEY_ESCAPE, 0)
+        return state if b >= 0x20 else None
+    if mode == ESCAPE or mode == KEY_ESCAPE:
+        key = int(mode == KEY_ESCAPE)
+        if b == ord("u"):
+            return (stack, HEX, 4 * 2 + key)
+        return (stack, KEY_STRING if key else STRING, 0) if b in SIMPLE_ESCAPES else None
+    if mode == HEX:
+        if b not in HEX_DIGITS:
+            return None
+        left, key = divmod(aux, 2)
+        return (stack, HEX, (left - 1) * 2 + key) if left > 1 else (stack, KEY_STRING if key else STRING, 0)
+    if mode == LITERAL:
+        word, at = divmod(aux, 8)
+        text = LITERALS[word]
+        if b != text[at]:
+            return None
+        return (stack, LITERAL, aux + 1) if at + 1 < len(text) else _after_value(stack)
+    return _number(stack, mode, b)
+
+
+def advance(state: State | None, data: bytes) -> State | None:
+    """The state after `data` (None stays None)."""
+    for b in data:
+        if state is None:
+            return None
+        state = step(state, b)
+    return state
+
+
+def accepts(data: bytes) -> bool:
+    """Whether `data` is one whole JSON object as this machine reads it (its bounds included)."""
+    state = advance(START_STATE, data)
+    return state is not None and state[1] == DONE
+
+
+def _space(stack: bytes, mode: int, aux: int, b: int) -> State | None:
+    if aux == 0:
+        return (stack, mode, 1 if b == ord(" ") else 2) if b in b" \n" else None
+    if aux >= 2 and b in b" \t" and aux - 2 < MAX_INDENT:
+        return (stack, mode, aux + 1)
+    return None
+
+
+def _structural(stack: bytes, mode: int, b: int) -> State | None:
+    """A byte other than whitespace where a value, a key, a colon, a comma or a closer may come."""
+    if mode == START:
+        return _open(stack, b, OBJECT0) if b == OPEN_OBJECT else None
+    if mode == VALUE:
+        return _value(stack, b)
+    if mode == ARRAY0:
+        return _after_value(stack[:-1]) if b == ord("]") else _value(stack, b)
+    if mode == OBJECT0:
+        if b == ord("}"):
+            return _after_value(stack[:-1])
+        return (stack, KEY_STRING, 0) if b == QUOTE else None
+    if mode == KEY:
+        return (stack, KEY_STRING, 0) if b == QUOTE else None
+    if mode == COLON:
+        return (stack, VALUE, 0) if b == ord(":") else None
+    if mode == NEXT:
+        top = stack[-1]
+        if b == ord(","):
+            return (stack, KEY if top == OPEN_OBJECT else VALUE, 0)
+        if b == (ord("}") if top == OPEN_OBJECT else ord("]")):
+            return _after_value(stack[:-1])
+        return None
+    return None  # DONE: whitespace only
+
+
+def _value(stack: bytes, b: int) -> State | None:
+    """The first byte of a value."""
+    if b == OPEN_OBJECT:
+        return _open(stack, b, OBJECT0)
+    if b == OPEN_ARRAY:
+        return _open(stack, b, ARRAY0)
+    if b == QUOTE:
+        return (stack, STRING, 0)
+    if b == ord("-"):
+        return (stack, N_MINUS, 0)
+    if b == ord("0"):
+        return (stack, N_ZERO, 0)
+    if b in DIGITS:
+        return (stack, N_INT, 0)
+    for word, text in enumerate(LITERALS):
+        if b == text[0]:
+            return (stack, LITERAL, word * 8 + 1)
+    return None
+
+
+def _open(stack: bytes, b: int, mode: int) -> State | None:
+    return (stack + bytes((b,)), mode, 0) if len(stack) < MAX_DEPTH else None
+
+
+def _after_value(stack: bytes) -> State:
+    return (stack, NEXT, 0) if stack else (stack, DONE, 0)
+
+
+def _number(stack: bytes, mode: int, b: int) -> State | None:
+    digit = b in DIGITS
+    if mode == N_MINUS:
+        return (stack, N_ZERO if b == ord("0") else N_INT, 0) if digit else None
+    if mode in (N_DOT, N_FRAC) and digit:
+        return (stack, N_FRAC, 0)
+    if mode in (N_E, N_ESIGN, N_EXP) and digit:
+        return (stack, N_EXP, 0)
+    if mode == N_INT and digit:
+        return (stack, N_INT, 0)
+    if mode in (N_ZERO, N_INT) and b == ord("."):
+        return (stack, N_DOT, 0)
+    if mode in (N_ZERO, N_INT, N_FRAC) and b in b"eE":
+        return (stack, N_E, 0)
+    if mode == N_E and b in b"+-":
+        return (stack, N_ESIGN, 0)
+    if mode in NUMBER_ENDS and not digit:  # the number ended: the byte is the next thing's
+        return step(_after_value(stack), b)
+    return None
+
+
+class JsonGrammar:
+    """A tokenizer's tokens over the JSON machine: the tokens banned in a state, and a state
+    advanced by a token. Built once per engine (a trie of the token bytes, about a second for a
+    65,536-token vocabulary on the development CPU); masks are made on first need and memoised.
+    Not thread-safe: the engine's thread alone uses it."""
+
+    def __init__(self, tokenizer: Tokenizer, device: torch.device | str = "cpu"):
+        self.vocab_size = tokenizer.vocab_size
+        self.device = torch.device(device)
+        self._bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
+        self._trie = _Trie(self._bytes)
+        self._banned: OrderedDict[State, Tensor] = OrderedDict()
+
+    def advance(self, state: State, token: int) -> State | None:
+        """The state after the token's bytes; None if it cannot follow (a token of no bytes,
+        such as end of text, never can)."""
+        data = self._bytes[token]
+        return advance(state, data) if data else None
+
+    def allowed(self, state: State) -> list[int]:
+        """The tokens whose bytes keep the text the start of a JSON object from `state`."""
+        return self._trie.walk(state)
+
+    def banned(self, state: State) -> Tensor:
+        """bool [vocab_size] on the grammar's device, True where a token may not come next
+        (memoised; the tensor is shared: do not change it)."""
+        mask = self._banned.get(state)
+        if mask is None:
+            mask = torch.ones(self.vocab_size, dtype=torch.bool)
+            mask[self.allowed(state)] = False
+            mask = mask.to(self.device)
+            self._banned[state] = mask
+            if len(self._banned) > MEMO_STATES:
+                self._banned.popitem(last=False)
+        else:
+            self._banned.move_to_end(state)
+        return mask
+
+
+class _Trie:
+    """The tokens' bytes as a trie, walked with the machine: a byte the machine refuses prunes
+    every token below it. Inside a string, a node below which every byte is plain string text
+    (not a quote, a backslash or a control byte) leaves the state as it is, so all its tokens
+    are taken at once without walking them."""
+
+    def __init__(self, tokens: list[bytes]):
+        self.children: list[dict[int, int]] = [{}]
+        self.token: list[int] = [-1]
+        for token_id, data in enumerate(tokens):
+            if not data:
+                continue
+            node = 0
+            for b in data:
+                nxt = self.children[node].get(b)
+                if nxt is None:
+                    nxt = len(self.token)
+                    self.children[node][b] = nxt
+                    self.children.append({})
+                    self.token.append(-1)
+                node = nxt
+            self.token[node] = token_id
+        # preorder: a node's subtree's tokens are order[first[n]:last[n]]; plain[n]: every byte
+        # below n is plain string text
+        n = len(self.token)
+        self.order: list[int] = []
+        self.first, self.last, self.plain = [0] * n, [0] * n, [True] * n
+        self._number(0)
+
+    def _number(self, root: int) -> None:
+        todo: list[tuple[int, bool]] = [(root, False)]
+        while todo:
+            node, done = todo.pop()
+            if done:
+                self.last[node] = len(self.order)
+                self.plain[node] = all(_plain(b) and self.plain[c] for b, c in self.children[node].items())
+                continue
+            self.first[node] = len(self.order)
+            if self.token[node] >= 0:
+                self.order.append(self.token[node])
+            todo.append((node, True))
+            todo.extend((c, False) for c in self.children[node].values())
+
+    def walk(self, state: State) -> list[int]:
+        allowed: list[int] = []
+        todo: list[tuple[int, State]] = [(0, state)]
+        while todo:
+            node, at = todo.pop()
+            for b, child in self.children[node].items():
+                nxt = step(at, b)
+                if nxt is None:
+                    continue
+                if nxt[1] in (STRING, KEY_STRING) and self.plain[child]:
+                    allowed.extend(self.order[self.first[child]:self.last[child]])
+                    continue
+                if self.token[child] >= 0:
+                    allowed.append(self.token[child])
+                if self.children[child]:
+                    todo.append((child, nxt))
+        return allowed
+
+
+def _plain(b: int) -> bool:
+    return b >= 0x20 and b != QUOTE and b != BACKSLASH
+
+
+def _token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    try:
+        return tokenizer.token_bytes(token_id)
+    except ValueError:
+        return b""
+

@@ -1,0 +1,133 @@
+"""JSON mode's machine against Python's json module, and its token masks against a walk of every token."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from replicas import json_grammar as jg
+from replicas.json_grammar import START_STATE, JsonGrammar, accepts, advance
+from replicas.tokenizer import load_tokenizer
+
+WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(7 if depth < 4 else 4)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.choice([0, -0.0, 7, -12, 3.25, 1e-7, -2.5e300, rng.randrange(-10**6, 10**6)])
+    if kind in (2, 3):
+        return "".join(rng.choice(['a', 'é', '"', '\\', '\n', '\x01', '/', '💡', 'z']) for _ in range(rng.randrange(6)))
+    if kind in (4, 5):
+        return {f"k{i}" + rng.choice(["", '"', "ü"]): random_value(rng, depth + 1) for i in range(rng.randrange(4))}
+    return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+
+
+def dumps(value, rng: random.Random) -> bytes:
+    """As json.dumps writes it, in one of the layouts a model might use."""
+    indent = rng.choice([None, None, 2, 4, "\t"])
+    separators = rng.choice([(",", ":"), (", ", ": "), (",", ": ")]) if indent is None else (",", ": ")
+    return json.dumps(value, indent=indent, separators=separators, ensure_ascii=rng.random() < 0.5).encode()
+
+
+def test_every_object_json_writes_is_accepted_and_every_prefix_goes_on():
+    rng = random.Random(0)
+    for _ in range(400):
+        value = {f"k{i}": random_value(rng) for i in range(rng.randrange(4))}
+        data = dumps(value, rng)
+        assert accepts(data), data
+        state = START_STATE
+        for n, b in enumerate(data[:-1]):
+            state = jg.step(state, b)
+            assert state is not None and state[1] != jg.DONE, data[: n + 1]
+
+
+def test_edited_texts_are_accepted_exactly_when_json_reads_an_object():
+    """Random edits of compact JSON (no whitespace: its bounds are tested below) against
+    json.loads, which also takes NaN and Infinity and any top-level value: those are refused."""
+    rng = random.Random(1)
+    alphabet = '{}[]:,"\\0123456789.-+eEtruefalsnu/x\x01'
+    checked = 0
+    for _ in range(3000):
+        value = {"a": [random_value(rng) for _ in range(2)], "b": {"c": random_value(rng)}}
+        text = json.dumps(value, separators=(",", ":"))
+        chars = list(text)
+        for _ in range(rng.randrange(1, 3)):
+            at = rng.randrange(len(chars) + 1)
+            op = rng.randrange(4)
+            marks = [i for i, c in enumerate(chars) if c in "{}[]:,"]
+            if op == 3 and marks:  # one structural character for another
+                chars[rng.choice(marks)] = rng.choice("{}[]:,")
+            elif op == 0 and chars:
+                del chars[min(at, len(chars) - 1)]
+            elif op == 1:
+                chars.insert(at, rng.choice(alphabet))
+            elif chars:
+                chars[min(at, len(chars) - 1)] = rng.choice(alphabet)
+        edited = "".join(chars)
+        if any(c in edited for c in " \n\t\r"):
+            continue
+        try:
+            expected = isinstance(json.loads(edited), dict) and "NaN" not in edited and "Infinity" not in edited
+        except ValueError:
+            expected = False
+        assert accepts(edited.encode()) == expected, edited
+        checked += 1
+    assert checked > 2500
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"a": 1}', True), (b'{\n  "a": [\n\t\t1\n  ]\n}', True), (b' {"a":1}\n', True),
+    (b'{"a":  1}', False),  # two spaces: a space is alone
+    (b'{\n\n"a": 1}', False),  # a blank line
+    (b'{\r\n"a": 1}', False),
+    (b'{\n' + b' ' * 21 + b'"a": 1}', False),  # indentation past MAX_INDENT
+    (b'{"a":' * 32 + b'1' + b'}' * 32, True), (b'{"a":' * 33 + b'1' + b'}' * 33, False),  # MAX_DEPTH
+    (b'[1]', False), (b'"x"', False), (b'{"a": 1}{', False), (b'{"a": 1} x', False),
+    (b'{"a": "\x01"}', False), (b'{"a\x1f": 1}', False), (b'{"a": "\\x"}', False), (b'{"a": "\\u12G4"}', False),
+    (b'{"a": "\\u12e4\\/"}', True), (b'{"a": 01}', False), (b'{"a": 1.}', False), (b'{"a": -}', False),
+    (b'{"a": 1e}', False), (b'{"a": -0.5E-07}', True), (b'{"a": [1}', False), (b'{"a": {]}', False),
+    (b'{"a": NaN}', False), (b'{"a": nul}', False),
+])
+def test_the_machines_own_bounds(text, ok):
+    assert accepts(text) == ok
+
+
+@pytest.fixture(scope="module")
+def world():
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    return tokenizer, JsonGrammar(tokenizer)
+
+
+def test_the_tries_allowed_tokens_are_exactly_those_whose_bytes_the_machine_takes(world):
+    tokenizer, grammar = world
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    every = [(t, data) for t, data in every if data]  # (end of text and the unused ids: no bytes, banned)
+    for prefix in [b"", b"{", b'{"k', b'{"k\\', b'{"k\\u00', b'{"k"', b'{"k":', b'{"k": -', b'{"k": 0',
+                   b'{"k": 12.5e', b'{"k": [', b'{"k": [tr', b'{"k": [1,', b'{"k": {"a": "b"}\n  ', b'{"k": "v',
+                   b'{"k": "v" ', b'{"k": null}']:
+        state = advance(START_STATE, prefix)
+        assert state is not None, prefix
+        allowed = grammar.allowed(state)
+        assert len(allowed) == len(set(allowed))
+        assert set(allowed) == {t for t, data in every if advance(state, data) is not None}, prefix
+        banned = grammar.banned(state)
+        assert banned.dtype.is_floating_point is False and banned.shape == (tokenizer.vocab_size,)
+        assert not banned[allowed].any() and int((~banned).sum()) == len(allowed)
+        assert bool(banned[0])  # end of text (no bytes) waits for the object to close
+    assert grammar.banned(START_STATE) is grammar.banned(START_STATE)  # memoised
+
+
+def test_a_token_advances_the_state_by_its_bytes(world):
+    tokenizer, grammar = world
+    state = START_STATE
+    for token in tokenizer.encode('{"name": "wörld", "n": [1, 2.5, true]}'):
+        state = grammar.advance(state, token)
+        assert state is not None
+    assert state[1] == jg.DONE
+    assert grammar.advance(START_STATE, 0) is None  # end of text stands for no bytes
