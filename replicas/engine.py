@@ -12,13 +12,13 @@ and iterate its events. One step of the loop:
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
   5. sample every row that has fresh logits (a row in JSON mode from the tokens its JSON allows
-     next), and feed the rows that max_tokens does not end
-     their tokens before the host reads them (one decode call, queued on a GPU behind the choice,
-     with the tokens where the sampler wrote them; a row whose token is an end token is not fed);
-     then read the tokens and emit text while the device decodes. On a GPU a step's events reach
-     the callers while the next step waits for the device to sample (their event loop, which
-     needs the GIL, then runs beside that wait, not beside the next step's host work);
-     elsewhere, or when nothing is left to sample, at the step's end.
+     next), and feed the rows that max_tokens does not end their tokens before the host reads
+     them (one decode call, queued on a GPU behind the choice, with the tokens where the sampler
+     wrote them; a row whose token is an end token is not fed); then read the tokens and emit
+     text while the device decodes. On a GPU a step's events reach the callers while the next
+     step waits for the device to sample (their event loop, which needs the GIL, then runs
+     beside that wait, not beside the next step's host work); elsewhere, or when nothing is
+     left to sample, at the step's end.
 
 Every way a row ends (stop, length, cancelled, error) goes through `_finish`: the slot is freed,
 the state (prompt + generated tokens) is published to the prefix cache, and the caller is
