@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 from torch import Tensor
 
 from .init_states import InitState, InitStateError
-from .json_grammar import JsonGrammar
+from .json_grammar import Constraint, JsonGrammar
 from .model.state import RNNState
 from .output import OutputStream
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
@@ -355,7 +355,7 @@ class Engine:
                 raise EngineBusy()
             self._in_flight += 1
         p = request.params
-        output = OutputStream(self.tokenizer, p, self._json_grammar() if p.json_object else None)
+        output = OutputStream(self.tokenizer, p, self._constraint(p) if p.json_mode else None)
         row = _Row(stream.uid, request, stream, init, output, random.Random(p.seed))
         self._send(("submit", row))
 
@@ -662,14 +662,15 @@ class Engine:
         """Each row's banned tokens (JSON mode), or None when no row has any."""
         if self._json is None or all(row.output.json is None for row in rows):
             return None
-        return [None if row.output.json is None else self._json.banned(row.output.json) for row in rows]
+        return [None if row.output.json is None else row.output.constraint.banned(row.output.json) for row in rows]
 
-    def _json_grammar(self) -> JsonGrammar:
-        """The tokenizer's JSON grammar, built at the first request in JSON mode (any thread)."""
+    def _constraint(self, params: SamplingParams) -> Constraint:
+        """A JSON mode request's constraint, from the tokenizer's JSON grammar, which the first
+        such request builds (any thread)."""
         with self._lock:
             if self._json is None:
                 self._json = JsonGrammar(self.tokenizer, self.runner.device)
-            return self._json
+            return self._json.constraint(params.json_schema)
 
     def _logits_of(self, rows: list[_Row]) -> Tensor:
         """The rows' logits as one tensor: the last decode call's as they came when the rows are

@@ -1,11 +1,13 @@
 """JSON mode: which tokens a row may take next so that its text stays the start of one JSON object.
 
 Owns a byte-level JSON machine (`step`, `advance`: a state after some bytes, None once they can
-start no JSON object) and, per tokenizer, the tokens it allows in each state (`JsonGrammar.banned`,
-memoised by state). Never touches the model, the batch or the text: the engine keeps a JSON row's
-state in its output stream, advances it by the tokens the row takes and ends the row when the
-object closes (finish "stop"); the sampler sets the banned tokens' logits to -inf. So end of text
-and stop tokens are banned until the object closes, and only max_tokens can cut it short.
+start no JSON object), a tokenizer's tokens as a trie, and the constraints that walk a machine
+over it: this one for `json_object`, or a schema's (json_schema.py) for `json_schema`. A
+constraint gives the tokens a state bans (`Constraint.banned`, memoised by state) and a state
+advanced by a token. Never touches the model, the batch or the text: the engine keeps a JSON
+row's state in its output stream, advances it by the tokens the row takes and ends the row when
+the machine is done (finish "stop"); the sampler sets the banned tokens' logits to -inf. So end
+of text and stop tokens are banned until the object closes, and only max_tokens can cut it short.
 
 The machine is RFC 8259 with three bounds of its own, each keeping a row from running on where a
 model might loop: a top-level value must be an object (OpenAI's `json_object`), a run of
@@ -23,6 +25,8 @@ in a key), in LITERAL the literal and the position in it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -31,7 +35,8 @@ from .tokenizer import Tokenizer
 
 MAX_INDENT = 20
 MAX_DEPTH = 32
-MEMO_STATES = 512  # banned-token masks kept per grammar (a mask is vocab_size bytes on the device)
+MEMO_STATES = 512  # banned-token masks kept per constraint (a mask is vocab_size bytes on the device)
+MEMO_SCHEMAS = 16  # schemas' constraints kept per grammar
 
 State = tuple[bytes, int, int]
 
@@ -86,12 +91,13 @@ def step(state: State, b: int) -> State | None:
     return _number(stack, mode, b)
 
 
-def advance(state: State | None, data: bytes) -> State | None:
-    """The state after `data` (None stays None)."""
+def advance(state: Any, data: bytes, machine: Machine | None = None) -> Any | None:
+    """The state after `data` (None stays None), in this machine or another."""
+    move = step if machine is None else machine.step
     for b in data:
         if state is None:
             return None
-        state = step(state, b)
+        state = move(state, b)
     return state
 
 
@@ -184,37 +190,66 @@ def _number(stack: bytes, mode: int, b: int) -> State | None:
     return None
 
 
-class JsonGrammar:
-    """A tokenizer's tokens over the JSON machine: the tokens banned in a state, and a state
-    advanced by a token. Built once per engine (a trie of the token bytes, about a second for a
-    65,536-token vocabulary on the development CPU); masks are made on first need and memoised.
-    Not thread-safe: the engine's thread alone uses it."""
+class Machine(Protocol):
+    """What a constraint walks: hashable states, a byte at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, device: torch.device | str = "cpu"):
-        self.vocab_size = tokenizer.vocab_size
-        self.device = torch.device(device)
-        self._bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
-        self._trie = _Trie(self._bytes)
-        self._banned: OrderedDict[State, Tensor] = OrderedDict()
+    start: Hashable
 
-    def advance(self, state: State, token: int) -> State | None:
+    def step(self, state: Any, b: int) -> Any | None:
+        """The state after one more byte, or None if the text can no longer be accepted."""
+
+    def plain(self, state: Any) -> bool:
+        """Inside a string, where any plain string byte leaves the state as it is."""
+
+    def done(self, state: Any) -> bool:
+        """The text is whole: the row ends here."""
+
+
+class ObjectMachine:
+    """The machine above as a Machine: any JSON object (`json_object`)."""
+
+    start = START_STATE
+
+    def step(self, state: State, b: int) -> State | None:
+        return step(state, b)
+
+    def plain(self, state: State) -> bool:
+        return state[1] == STRING or state[1] == KEY_STRING
+
+    def done(self, state: State) -> bool:
+        return state[1] == DONE
+
+
+class Constraint:
+    """A machine over a tokenizer's tokens: a state advanced by a token, and the tokens banned in
+    a state (made on first need, memoised). Not thread-safe: the engine's thread alone uses it."""
+
+    def __init__(self, machine: Machine, grammar: JsonGrammar):
+        self.machine, self._grammar = machine, grammar
+        self.start = machine.start
+        self._banned: OrderedDict[Any, Tensor] = OrderedDict()
+
+    def advance(self, state: Any, token: int) -> Any | None:
         """The state after the token's bytes; None if it cannot follow (a token of no bytes,
         such as end of text, never can)."""
-        data = self._bytes[token]
-        return advance(state, data) if data else None
+        data = self._grammar.token_bytes[token]
+        return advance(state, data, self.machine) if data else None
 
-    def allowed(self, state: State) -> list[int]:
-        """The tokens whose bytes keep the text the start of a JSON object from `state`."""
-        return self._trie.walk(state)
+    def done(self, state: Any) -> bool:
+        return self.machine.done(state)
 
-    def banned(self, state: State) -> Tensor:
+    def allowed(self, state: Any) -> list[int]:
+        """The tokens whose bytes the machine takes from `state`."""
+        return self._grammar.trie.walk(self.machine, state)
+
+    def banned(self, state: Any) -> Tensor:
         """bool [vocab_size] on the grammar's device, True where a token may not come next
         (memoised; the tensor is shared: do not change it)."""
         mask = self._banned.get(state)
         if mask is None:
-            mask = torch.ones(self.vocab_size, dtype=torch.bool)
+            mask = torch.ones(self._grammar.vocab_size, dtype=torch.bool)
             mask[self.allowed(state)] = False
-            mask = mask.to(self.device)
+            mask = mask.to(self._grammar.device)
             self._banned[state] = mask
             if len(self._banned) > MEMO_STATES:
                 self._banned.popitem(last=False)
@@ -223,8 +258,36 @@ class JsonGrammar:
         return mask
 
 
+class JsonGrammar:
+    """A tokenizer's tokens as a trie, and the constraints over it: one for any JSON object, one a
+    JSON schema (the last MEMO_SCHEMAS kept). Built once per engine, at its first request in JSON
+    mode (a fraction of a second for a 65,536-token vocabulary on the development CPU)."""
+
+    def __init__(self, tokenizer: Tokenizer, device: torch.device | str = "cpu"):
+        self.vocab_size = tokenizer.vocab_size
+        self.device = torch.device(device)
+        self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
+        self.trie = _Trie(self.token_bytes)
+        self._constraints: OrderedDict[str | None, Constraint] = OrderedDict()
+
+    def constraint(self, schema: str | None = None) -> Constraint:
+        """None: any JSON object; else a JSON schema's text (json_schema.py; raises
+        SchemaError for one it cannot follow)."""
+        found = self._constraints.get(schema)
+        if found is None:
+            from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
+
+            found = Constraint(ObjectMachine() if schema is None else SchemaMachine(schema), self)
+            self._constraints[schema] = found
+            if len(self._constraints) > MEMO_SCHEMAS:
+                self._constraints.popitem(last=False)
+        else:
+            self._constraints.move_to_end(schema)
+        return found
+
+
 class _Trie:
-    """The tokens' bytes as a trie, walked with the machine: a byte the machine refuses prunes
+    """The tokens' bytes as a trie, walked with a machine: a byte the machine refuses prunes
     every token below it. Inside a string, a node below which every byte is plain string text
     (not a quote, a backslash or a control byte) leaves the state as it is, so all its tokens
     are taken at once without walking them."""
@@ -266,16 +329,16 @@ class _Trie:
             todo.append((node, True))
             todo.extend((c, False) for c in self.children[node].values())
 
-    def walk(self, state: State) -> list[int]:
+    def walk(self, machine: Machine, state: Any) -> list[int]:
         allowed: list[int] = []
-        todo: list[tuple[int, State]] = [(0, state)]
+        todo: list[tuple[int, Any]] = [(0, state)]
         while todo:
             node, at = todo.pop()
             for b, child in self.children[node].items():
-                nxt = step(at, b)
+                nxt = machine.step(at, b)
                 if nxt is None:
                     continue
-                if nxt[1] in (STRING, KEY_STRING) and self.plain[child]:
+                if self.plain[child] and machine.plain(nxt):
                     allowed.extend(self.order[self.first[child]:self.last[child]])
                     continue
                 if self.token[child] >= 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .json_grammar import DONE, START_STATE, JsonGrammar, State
+from .json_grammar import Constraint
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, Utf8Stream
 
@@ -23,12 +23,12 @@ class Step(NamedTuple):
 
 
 class OutputStream:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, grammar: JsonGrammar | None = None):
-        """grammar: the engine's, for a request in JSON mode (params.json_object)."""
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, constraint: Constraint | None = None):
+        """constraint: a request in JSON mode's (the engine's grammar's, for params.json_schema)."""
         self.params = params
-        self.grammar = grammar if params.json_object else None
-        # JSON mode: the state after the tokens so far; None: not in JSON mode, or it has ended
-        self.json: State | None = START_STATE if self.grammar is not None else None
+        self.constraint = constraint
+        # JSON mode: the constraint's state after the tokens so far; None: not in JSON mode, or ended
+        self.json = self.constraint.start if self.constraint is not None else None
         self.utf8 = Utf8Stream(tokenizer)
         self.end_tokens = set(params.stop_token_ids)
         if tokenizer.eos_token_id is not None and not params.ignore_eos:
@@ -58,8 +58,8 @@ class OutputStream:
             text, self.held = self.held[:cut], ""
             return Step(text, "stop")
         if self.json is not None:
-            self.json = self.grammar.advance(self.json, token)
-            if self.json is None or self.json[1] == DONE:  # (None: a token the mask let through; never)
+            self.json = self.constraint.advance(self.json, token)
+            if self.json is None or self.constraint.done(self.json):  # (None: a token the mask let through; never)
                 self.json = None
                 return Step(self.release(), "stop")
         if self.count >= self.params.max_tokens:

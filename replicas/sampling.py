@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .json_schema import SchemaError, SchemaMachine
+
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
 
@@ -48,6 +50,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n others
     json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
+    json_schema: str | None = None  # JSON mode with a schema (its JSON text): an object it describes
+
+    @property
+    def json_mode(self) -> bool:
+        return self.json_object or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +86,11 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
+        if self.json_schema is not None:
+            try:
+                SchemaMachine(self.json_schema)
+            except SchemaError as err:
+                raise InvalidRequest(f"response_format.json_schema.{err}") from None
 
 
 @dataclass(frozen=True)

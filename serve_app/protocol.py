@@ -11,10 +11,12 @@ state to start from), `top_k`, `penalty_decay`, `stop_token_ids`, `ignore_eos`.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from replicas.json_schema import SchemaError, SchemaMachine
 from replicas.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16  # prompts × n in one request
@@ -64,10 +66,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema", description="the JSON Schema (replicas/json_schema.py "
+                                           "says which keywords it follows)")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"] = Field(
-        description="json_object: the output is one JSON object (end of text and stop tokens wait for it to close)")
-    json_schema: dict[str, Any] | None = None
+        description="json_object: the output is one JSON object; json_schema: one the schema describes (end of "
+        "text and stop tokens wait for it to close)")
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -101,10 +112,22 @@ class _Sampling(BaseModel):
     def json_object(self) -> bool:
         return self.response_format is not None and self.response_format.type == "json_object"
 
-    def refuse_unsupported(self) -> None:
-        if self.response_format is not None and self.response_format.type == "json_schema":
-            raise ApiError(400, "the json_schema response format is not supported; json_object is (any JSON object)",
-                           param="response_format")
+    @property
+    def json_schema(self) -> str | None:
+        """The schema's JSON text (its properties' order kept: it is the order they are written in)."""
+        fmt = self.response_format
+        if fmt is None or fmt.type != "json_schema":
+            return None
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format.json_schema is required with type json_schema",
+                           param="response_format.json_schema")
+        text = json.dumps(fmt.json_schema.schema_)
+        try:
+            SchemaMachine(text)  # (the engine reads it again: this is for the 400's param)
+        except SchemaError as err:
+            param = "response_format.json_schema.schema"
+            raise ApiError(400, f"response_format.json_schema.{err}", param=param) from None
+        return text
 
 
 class CompletionRequest(_Sampling):
@@ -116,7 +139,6 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
@@ -153,7 +175,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
 
     def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
         if self.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
@@ -350,6 +371,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         json_object=req.json_object,
+        json_schema=req.json_schema,
     )
 
 

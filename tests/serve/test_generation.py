@@ -208,10 +208,12 @@ def test_models_health_and_schema(client):
 
 def test_json_mode_over_http(client, tokenizer):
     """response_format json_object: each choice is a JSON object, or the start of one where
-    max_tokens cut it; chat's own stop strings do not cut it; other formats are 400s."""
+    max_tokens cut it; chat's own stop strings do not cut it. json_schema: an instance of the
+    schema. Schemas it cannot follow and other formats are 400s naming the field."""
     import json
 
     from replicas.json_grammar import START_STATE, advance
+    from replicas.json_schema import SchemaMachine
 
     messages = [{"role": "user", "content": "Give me a JSON object."}]
     body = client.post("/v1/chat/completions", json={
@@ -228,7 +230,26 @@ def test_json_mode_over_http(client, tokenizer):
                     response_format={"type": "json_object"}, logit_bias={str(empty[0]): 100})
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "{}"
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
-    for fmt in [{"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, {"type": "xml"}, {}]:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    body = client.post("/v1/chat/completions", json={
+        "messages": messages, "n": 2, "seed": 3, "max_tokens": 48, "logit_bias": {str(empty[0]): 100},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}).json()
+    for choice in body["choices"]:  # ("{}" is banned here, however biased: "ok" and "n" are required)
+        text = choice["message"]["content"]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(text)
+            assert list(value) == ["ok", "n"] and isinstance(value["ok"], bool) and type(value["n"]) is int
+        else:
+            machine = SchemaMachine(json.dumps(schema))
+            assert advance(machine.start, text.encode(), machine) is not None, text
+    for fmt, message in [
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}},
+             "response_format.json_schema.schema: the root must be an object"),
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": ["a"]}}},
+             "response_format.json_schema.schema.required names 'a'"),
+            ({"type": "json_schema"}, "response_format.json_schema is required"), ({"type": "xml"}, ""), ({}, "")]:
         response = client.post("/v1/chat/completions", json={"messages": messages, "response_format": fmt})
         assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"].startswith("response_format"), response.text
+        error = response.json()["error"]
+        assert error["param"].startswith("response_format") and error["message"].startswith(message), error

@@ -715,3 +715,49 @@ def test_json_mode_rows_write_json_beside_rows_that_do_not(parts, alone):
         settle(engine)
     finally:
         engine.stop()
+
+
+def test_json_schema_rows_write_what_their_schema_describes(parts):
+    """Rows with a schema end with an instance of it (pydantic validates their text), or, cut by
+    max_tokens, the start of one; two schemas share the batch with a schema-less JSON row."""
+    import json
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str
+        age: int
+        tags: list[str] = Field(max_length=3)
+        kind: Literal["cat", "dog"]
+
+    class Point(BaseModel):
+        x: float
+        y: float
+
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=4)
+    try:
+        schemas = [Pet] * 4 + [Point] * 2
+        params = [SamplingParams(max_tokens=120, seed=seed, json_schema=json.dumps(model.model_json_schema()))
+                  for seed, model in enumerate(schemas)]
+        params.append(SamplingParams(max_tokens=120, seed=9, json_object=True))
+        results = run(gather(*(collect(engine, Request(tok.encode("value = "), p)) for p in params)))
+        whole = 0
+        for result, p, model in zip(results, params, [*schemas, None], strict=True):
+            if result.finished.reason == "stop":
+                if model is None:
+                    assert isinstance(json.loads(result.text), dict)
+                else:
+                    model.model_validate_json(result.text, strict=True)
+                whole += 1
+            else:
+                constraint = engine._constraint(p)
+                state = constraint.start
+                for token in result.tokens:
+                    state = constraint.advance(state, token)
+                assert state is not None, result.text
+        assert whole >= 4, [r.text for r in results]
+        settle(engine)
+    finally:
+        engine.stop()

@@ -101,11 +101,11 @@ def test_the_machines_own_bounds(text, ok):
 @pytest.fixture(scope="module")
 def world():
     tokenizer = load_tokenizer(WORLD_VOCAB)
-    return tokenizer, JsonGrammar(tokenizer)
+    return tokenizer, JsonGrammar(tokenizer).constraint()  # any JSON object
 
 
 def test_the_tries_allowed_tokens_are_exactly_those_whose_bytes_the_machine_takes(world):
-    tokenizer, grammar = world
+    tokenizer, objects = world
     every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
     every = [(t, data) for t, data in every if data]  # (end of text and the unused ids: no bytes, banned)
     for prefix in [b"", b"{", b'{"k', b'{"k\\', b'{"k\\u00', b'{"k"', b'{"k":', b'{"k": -', b'{"k": 0',
@@ -113,21 +113,21 @@ def test_the_tries_allowed_tokens_are_exactly_those_whose_bytes_the_machine_take
                    b'{"k": "v" ', b'{"k": null}']:
         state = advance(START_STATE, prefix)
         assert state is not None, prefix
-        allowed = grammar.allowed(state)
+        allowed = objects.allowed(state)
         assert len(allowed) == len(set(allowed))
         assert set(allowed) == {t for t, data in every if advance(state, data) is not None}, prefix
-        banned = grammar.banned(state)
+        banned = objects.banned(state)
         assert banned.dtype.is_floating_point is False and banned.shape == (tokenizer.vocab_size,)
         assert not banned[allowed].any() and int((~banned).sum()) == len(allowed)
         assert bool(banned[0])  # end of text (no bytes) waits for the object to close
-    assert grammar.banned(START_STATE) is grammar.banned(START_STATE)  # memoised
+    assert objects.banned(START_STATE) is objects.banned(START_STATE)  # memoised
 
 
 def test_a_token_advances_the_state_by_its_bytes(world):
-    tokenizer, grammar = world
+    tokenizer, objects = world
     state = START_STATE
     for token in tokenizer.encode('{"name": "wörld", "n": [1, 2.5, true]}'):
-        state = grammar.advance(state, token)
+        state = objects.advance(state, token)
         assert state is not None
     assert state[1] == jg.DONE
-    assert grammar.advance(START_STATE, 0) is None  # end of text stands for no bytes
+    assert objects.advance(START_STATE, 0) is None  # end of text stands for no bytes

@@ -1,0 +1,363 @@
+"""JSON mode with a schema (`response_format` `json_schema`): a JSON Schema read into a machine
+whose texts are the JSON objects the schema describes, for json_grammar's constraints.
+
+Owns reading a schema (SchemaError names what it cannot follow) and the machine's states. Never
+touches tokens, the model or the batch. What it follows, OpenAI's structured outputs in the main:
+
+- `type`: object, array, string, number, integer, boolean, null, or a list of them;
+- objects: `properties`, written in the schema's order, each optional unless `required` names
+  it, and no other members (as `additionalProperties: false`); an object without `properties`
+  takes any members;
+- arrays: `items`, `minItems`, `maxItems`;
+- `enum` and `const`, of any JSON values (written compactly: `[1,2]`, not `[1, 2]`);
+- `anyOf`, `oneOf` (taken as anyOf), `allOf` of one schema, `$ref` to `#`, `#/$defs/…` or
+  `#/definitions/…` (recursive ones too);
+- `{}` or `true`: any JSON value.
+
+Other keywords (`pattern`, `format`, `minLength`, `minimum`, …) are not enforced: the value only
+has the type they qualify, as if they were descriptions. The root must be an object. Whitespace
+and nesting have json_grammar's bounds.
+
+A schema is read into nodes (a list; a `$ref` is the index of its target's node, so recursion is
+a cycle). The machine is nondeterministic (two branches of an anyOf may start alike; a number may
+end or go on), so a state is a frozenset of elements, each (frames, lex): `frames` the containers
+the current value is in, innermost last (("o", object node, its next property) or ("a", array
+node, its items before this one)); `lex` where in the current thing the text is (the tags below).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import json_grammar as jg
+
+MAX_NODES = 2000
+MAX_LITERALS = 1000
+
+# nodes
+ANY, OBJECT, ARRAY, STRING, NUMBER, LITERALS, UNION = range(7)
+# lex tags: where a value, a member or an item may come (their last field is the whitespace run,
+# as json_grammar's aux) ...
+VAL, OBJ, OKEY, COLON, ARR0, ARR, DONE = range(7)
+# ... and inside a value: a key, a string, a number, an enum's literal, a value of any shape
+KEY, STR, NUM, LIT, FREE = range(7, 12)
+
+Element = tuple[tuple, tuple]
+
+
+class SchemaError(ValueError):
+    """A schema this module cannot follow; the message is for the client."""
+
+
+class SchemaMachine:
+    """json_grammar.Machine for one schema (its JSON text)."""
+
+    def __init__(self, schema_text: str):
+        try:
+            schema = json.loads(schema_text)
+        except ValueError:
+            raise SchemaError("schema: not JSON") from None
+        self.nodes: list[tuple] = []
+        self._refs: dict[str, int] = {}
+        self._root_schema = schema
+        root = self._read(schema, "schema")
+        if not self._objects_only(root, set()):
+            raise SchemaError("schema: the root must be an object")
+        self.start = frozenset({((), (VAL, root, 0))})
+
+    # -- the machine ----------------------------------------------------------------------------
+
+    def step(self, state: frozenset, b: int) -> frozenset | None:
+        after: set[Element] = set()
+        for element in state:
+            after.update(self._step(element, b))
+        return frozenset(after) if after else None
+
+    def plain(self, state: frozenset) -> bool:
+        return all(lex == (STR, 0) or (lex[0] == FREE and self._free_plain(lex[1])) for _, lex in state)
+
+    def done(self, state: frozenset) -> bool:
+        return any(lex[0] == DONE for _, lex in state)
+
+    @staticmethod
+    def _free_plain(state: jg.State) -> bool:
+        return state[1] == jg.STRING or state[1] == jg.KEY_STRING
+
+    def _step(self, element: Element, b: int) -> list[Element]:
+        frames, lex = element
+        tag = lex[0]
+        if tag <= DONE:
+            if b in jg.WS:
+                ws = _space(lex[-1], b)
+                return [] if ws is None else [(frames, lex[:-1] + (ws,))]
+            return self._structural(frames, lex, b)
+        if tag == KEY:
+            return self._key(frames, lex, b)
+        if tag == STR:
+            return self._string(frames, lex[1], b)
+        if tag == NUM:
+            mode = _number(lex[1], b, lex[2])
+            return [] if mode is None else self._closure((frames, (NUM, mode, lex[2])))
+        if tag == LIT:
+            prefix = lex[2] + bytes((b,))
+            if not any(c.startswith(prefix) for c in lex[1]):
+                return []
+            return self._closure((frames, (LIT, lex[1], prefix)))
+        state = jg.step(lex[1], b)  # FREE
+        if state is None:
+            return []
+        if state[1] == jg.DONE:  # the value closed (a number ended by whitespace: its closure went on)
+            return [] if b in jg.WS else [_complete(frames)]
+        return self._closure((frames, (FREE, state)))
+
+    def _structural(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
+        tag = lex[0]
+        if tag == VAL:
+            return self._value(frames, lex[1], b)
+        if tag == DONE:
+            return []
+        node = self.nodes[lex[1]]
+        if tag == OBJ:
+            _, at, i, first, _ = lex
+            if b == ord("}") and self._may_close(node, i):
+                return [_complete(frames)]
+            if b == (jg.QUOTE if first else ord(",")) and self._eligible(node, i):
+                return [(frames, (KEY, at, i, b"")) if first else (frames, (OKEY, at, i, 0))]
+            return []
+        if tag == OKEY:
+            return [(frames, (KEY, lex[1], lex[2], b""))] if b == jg.QUOTE else []
+        if tag == COLON:
+            if b != ord(":") or len(frames) >= jg.MAX_DEPTH:
+                return []
+            _, at, j, _ = lex
+            return [(frames + (("o", at, j + 1),), (VAL, node[1][j][1], 0))]
+        if tag == ARR0:
+            if b == ord("]") and node[2] == 0:
+                return [_complete(frames)]
+            return self._item(frames, lex[1], 0, b) if node[3] != 0 else []
+        # ARR: after an item
+        _, at, count, _ = lex
+        if b == ord("]") and count >= node[2]:
+            return [_complete(frames)]
+        if b == ord(",") and (node[3] is None or count < node[3]) and len(frames) < jg.MAX_DEPTH:
+            return [(frames + (("a", at, count),), (VAL, node[1], 0))]
+        return []
+
+    def _item(self, frames: tuple, at: int, count: int, b: int) -> list[Element]:
+        if len(frames) >= jg.MAX_DEPTH:
+            return []
+        return self._value(frames + (("a", at, count),), self.nodes[at][1], b)
+
+    def _value(self, frames: tuple, at: int, b: int) -> list[Element]:
+        """A value of node `at` begun with the byte b."""
+        node = self.nodes[at]
+        kind = node[0]
+        if kind == UNION:
+            return [e for alternative in node[1] for e in self._value(frames, alternative, b)]
+        if kind == ANY:
+            state = jg.step((b"", jg.VALUE, 0), b)
+            return [] if state is None or b in jg.WS else self._closure((frames, (FREE, state)))
+        if kind == OBJECT:
+            if b != jg.OPEN_OBJECT:
+                return []
+            return [(frames, (FREE, (b"{", jg.OBJECT0, 0)) if node[2] else (OBJ, at, 0, True, 0))]
+        if kind == ARRAY:
+            return [(frames, (ARR0, at, 0))] if b == jg.OPEN_ARRAY else []
+        if kind == STRING:
+            return [(frames, (STR, 0))] if b == jg.QUOTE else []
+        if kind == NUMBER:
+            mode = {ord("-"): jg.N_MINUS, ord("0"): jg.N_ZERO}.get(b, jg.N_INT if b in jg.DIGITS else None)
+            return [] if mode is None else self._closure((frames, (NUM, mode, node[1])))
+        prefix = bytes((b,))  # LITERALS
+        if not any(c.startswith(prefix) for c in node[1]):
+            return []
+        return self._closure((frames, (LIT, node[1], prefix)))
+
+    def _closure(self, element: Element) -> list[Element]:
+        """The element, and the value's end where the text so far is a whole value (a number may
+        go on or end; a literal may be whole and the start of a longer one)."""
+        frames, lex = element
+        whole = ((lex[0] == NUM and lex[1] in jg.NUMBER_ENDS)
+                 or (lex[0] == FREE and lex[1][0] == b"" and lex[1][1] in jg.NUMBER_ENDS)
+                 or (lex[0] == LIT and lex[2] in lex[1]))
+        goes_on = lex[0] != LIT or any(len(c) > len(lex[2]) and c.startswith(lex[2]) for c in lex[1])
+        return ([element] if goes_on else []) + ([_complete(frames)] if whole else [])
+
+    def _key(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
+        _, at, i, prefix = lex
+        names = [(j, self.nodes[at][1][j][0]) for j in self._eligible(self.nodes[at], i)]
+        if b == jg.QUOTE:
+            return [(frames, (COLON, at, j, 0)) for j, name in names if name == prefix]
+        prefix += bytes((b,))
+        return [(frames, (KEY, at, i, prefix))] if any(name.startswith(prefix) for _, name in names) else []
+
+    @staticmethod
+    def _string(frames: tuple, esc: int, b: int) -> list[Element]:
+        """esc: 0 in the text, -1 after a backslash, k > 0 hex digits of a \\u escape left."""
+        if esc == 0:
+            if b == jg.QUOTE:
+                return [_complete(frames)]
+            if b == jg.BACKSLASH:
+                return [(frames, (STR, -1))]
+            return [(frames, (STR, 0))] if b >= 0x20 else []
+        if esc == -1:
+            if b == ord("u"):
+                return [(frames, (STR, 4))]
+            return [(frames, (STR, 0))] if b in jg.SIMPLE_ESCAPES else []
+        return [(frames, (STR, esc - 1))] if b in jg.HEX_DIGITS else []
+
+    @staticmethod
+    def _eligible(node: tuple, i: int) -> range:
+        """The properties that may come next: from i up to the first required one."""
+        props = node[1]
+        j = i
+        while j < len(props) and not props[j][2]:
+            j += 1
+        return range(i, min(j + 1, len(props)))
+
+    @staticmethod
+    def _may_close(node: tuple, i: int) -> bool:
+        return not any(required for _, _, required in node[1][i:])
+
+    # -- reading a schema -----------------------------------------------------------------------
+
+    def _read(self, schema: Any, where: str) -> int:
+        """The node of a schema (appended, with those it holds)."""
+        if len(self.nodes) >= MAX_NODES:
+            raise SchemaError(f"schema: too large (over {MAX_NODES} parts)")
+        if schema is True or schema == {}:
+            return self._add((ANY,))
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where}: a schema must be an object")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], where)
+        if "const" in schema:
+            return self._literals([schema["const"]], where)
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{where}.enum: a non-empty list")
+            return self._literals(values, where)
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in schema:
+                branches = schema[key]
+                if not isinstance(branches, list) or not branches:
+                    raise SchemaError(f"{where}.{key}: a non-empty list")
+                if key == "allOf" and len(branches) != 1:
+                    raise SchemaError(f"{where}.allOf: only one schema is followed")
+                at = self._add(None)
+                self.nodes[at] = (UNION, tuple(self._read(s, f"{where}.{key}[{n}]") for n, s in enumerate(branches)))
+                return at
+        types = schema.get("type")
+        if types is None:
+            if "properties" in schema:
+                types = "object"
+            elif "items" in schema:
+                types = "array"
+            else:
+                return self._add((ANY,))
+        if isinstance(types, list):
+            at = self._add(None)
+            self.nodes[at] = (UNION, tuple(self._read({**schema, "type": t}, where) for t in types))
+            return at
+        return self._typed(schema, types, where)
+
+    def _typed(self, schema: dict, kind: Any, where: str) -> int:
+        if kind == "object":
+            properties = schema.get("properties") or {}
+            required = schema.get("required") or []
+            if not isinstance(properties, dict) or not isinstance(required, list):
+                raise SchemaError(f"{where}: properties must be an object and required a list")
+            if missing := [name for name in required if name not in properties]:
+                raise SchemaError(f"{where}.required names {missing[0]!r}, which properties does not")
+            at = self._add(None)
+            props = tuple((_key_text(name), self._read(s, f"{where}.properties.{name}"), name in required)
+                          for name, s in properties.items())
+            self.nodes[at] = (OBJECT, props, not props and schema.get("additionalProperties") is not False)
+            return at
+        if kind == "array":
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            if not isinstance(low, int) or (high is not None and (not isinstance(high, int) or high < low)):
+                raise SchemaError(f"{where}: minItems and maxItems must be integers, maxItems at least minItems")
+            at = self._add(None)
+            self.nodes[at] = (ARRAY, self._read(schema.get("items", {}), f"{where}.items"), low, high)
+            return at
+        if kind == "string":
+            return self._add((STRING,))
+        if kind in ("number", "integer"):
+            return self._add((NUMBER, kind == "integer"))
+        if kind == "boolean":
+            return self._literals([True, False], where)
+        if kind == "null":
+            return self._literals([None], where)
+        raise SchemaError(f"{where}: unknown type {kind!r}")
+
+    def _ref(self, ref: Any, where: str) -> int:
+        if ref in self._refs:
+            return self._refs[ref]
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith(("#/$defs/", "#/definitions/"))):
+            raise SchemaError(f"{where}.$ref: only '#', '#/$defs/…' and '#/definitions/…' are followed")
+        target = self._root_schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"{where}.$ref: {ref!r} names nothing in the schema")
+            target = target[part]
+        at = self._add(None)  # its node is this index: a recursive reference finds it
+        self._refs[ref] = at
+        self.nodes[at] = (UNION, (self._read(target, ref),))
+        return at
+
+    def _literals(self, values: list, where: str) -> int:
+        if len(values) > MAX_LITERALS:
+            raise SchemaError(f"{where}: at most {MAX_LITERALS} enum values")
+        texts = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode()
+                                    for v in values))
+        return self._add((LITERALS, texts))
+
+    def _add(self, node: tuple | None) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _objects_only(self, at: int, seen: set[int]) -> bool:
+        node = self.nodes[at]
+        if node[0] == UNION:
+            seen.add(at)
+            return all(self._objects_only(a, seen) for a in node[1] if a not in seen)
+        return node[0] == OBJECT or (node[0] == LITERALS and all(t.startswith(b"{") for t in node[1]))
+
+
+def _key_text(name: str) -> bytes:
+    """A property's name as it is written between its quotes."""
+    return json.dumps(name, ensure_ascii=False)[1:-1].encode()
+
+
+def _complete(frames: tuple) -> Element:
+    """What follows a whole value: its container's next member or item, or the end."""
+    if not frames:
+        return ((), (DONE, 0))
+    kind, at, n = frames[-1]
+    return (frames[:-1], (OBJ, at, n, False, 0) if kind == "o" else (ARR, at, n + 1, 0))
+
+
+def _space(ws: int, b: int) -> int | None:
+    """json_grammar's whitespace rule on a run's aux."""
+    state = jg._space(b"", jg.VALUE, ws, b)
+    return None if state is None else state[2]
+
+
+def _number(mode: int, b: int, integer: bool) -> int | None:
+    """The number's mode after one more byte of it, or None (its end is _closure's)."""
+    digit = b in jg.DIGITS
+    if mode == jg.N_MINUS:
+        return (jg.N_ZERO if b == ord("0") else jg.N_INT) if digit else None
+    if digit:
+        return {jg.N_INT: jg.N_INT, jg.N_DOT: jg.N_FRAC, jg.N_FRAC: jg.N_FRAC, jg.N_E: jg.N_EXP,
+                jg.N_ESIGN: jg.N_EXP, jg.N_EXP: jg.N_EXP}.get(mode)
+    if integer:
+        return None
+    if b == ord(".") and mode in (jg.N_ZERO, jg.N_INT):
+        return jg.N_DOT
+    if b in b"eE" and mode in (jg.N_ZERO, jg.N_INT, jg.N_FRAC):
+        return jg.N_E
+    return jg.N_ESIGN if b in b"+-" and mode == jg.N_E else None

@@ -1,0 +1,199 @@
+"""JSON mode with a schema: the machine against a small reference validator, on instances of a
+schema pydantic wrote and on their edits; its token masks against a walk of every token; and the
+schemas it refuses."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel
+
+from replicas.json_grammar import JsonGrammar, advance
+from replicas.json_schema import SchemaError, SchemaMachine
+from replicas.tokenizer import load_tokenizer
+
+WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
+
+
+class Address(BaseModel):
+    street: str
+    zip: int | None = None
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    tags: list[str]
+    kind: Literal["cat", "dog", "catfish"]
+    home: Address
+    score: float = 0.5
+    extra: dict = {}
+    friends: list[Person] = []
+
+
+SCHEMA = {**Person.model_json_schema(), "additionalProperties": False}
+ARRAYS = {"type": "object", "required": ["pair", "some"], "properties": {
+    "pair": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+    "some": {"type": "array", "items": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {"const": [1, {"a": 2}]}]}},
+    "any": {}, "either": {"type": ["number", "string"]}}}
+
+
+def accepts(machine: SchemaMachine, data: bytes) -> bool:
+    state = advance(machine.start, data, machine)
+    return state is not None and machine.done(state)
+
+
+def valid(value, schema: dict, root: dict) -> bool:
+    """The reference: the same subset, written as plainly as it reads (an instance's keys in the
+    order it has them, as json.loads keeps them)."""
+    if schema is True or schema == {}:
+        return True
+    if "$ref" in schema:
+        target = root
+        for part in schema["$ref"][2:].split("/") if schema["$ref"] != "#" else []:
+            target = target[part]
+        return valid(value, target, root)
+    text = json.dumps(value, separators=(",", ":"))
+    if "const" in schema:
+        return text == json.dumps(schema["const"], separators=(",", ":"))
+    if "enum" in schema:
+        return text in [json.dumps(v, separators=(",", ":")) for v in schema["enum"]]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            return any(valid(value, s, root) for s in schema[key])
+    kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
+    if isinstance(kind, list):
+        return any(valid(value, {**schema, "type": k}, root) for k in kind)
+    if kind == "object":
+        if not isinstance(value, dict):
+            return False
+        properties, required = schema.get("properties", {}), schema.get("required", [])
+        if not properties:
+            return schema.get("additionalProperties") is not False or not value
+        order = list(properties)
+        keys = list(value)
+        if any(k not in properties for k in keys) or any(r not in value for r in required):
+            return False
+        if [order.index(k) for k in keys] != sorted(order.index(k) for k in keys):
+            return False
+        return all(valid(value[k], properties[k], root) for k in keys)
+    if kind == "array":
+        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
+                and all(valid(v, schema.get("items", {}), root) for v in value))
+    checks = {"string": lambda v: isinstance(v, str), "integer": lambda v: type(v) is int,
+              "number": lambda v: type(v) in (int, float), "boolean": lambda v: isinstance(v, bool),
+              "null": lambda v: v is None}
+    return checks[kind](value)
+
+
+def random_person(rng: random.Random, depth: int = 0) -> dict:
+    person = {"name": rng.choice(["Ann", "", 'q"uote', "naïve"]), "age": rng.randrange(-5, 120),
+              "tags": [rng.choice("xyz") for _ in range(rng.randrange(3))], "kind": rng.choice(["cat", "catfish"]),
+              "home": {"street": "Main"} | ({"zip": rng.choice([None, 12345])} if rng.random() < 0.5 else {})}
+    if rng.random() < 0.5:
+        person["score"] = rng.choice([0, -1.5, 2e-3])
+    if rng.random() < 0.3:
+        person["extra"] = {"any": [1, {"b": None}], "x": "y"}
+    if depth < 2 and rng.random() < 0.4:
+        person["friends"] = [random_person(rng, depth + 1) for _ in range(rng.randrange(1, 3))]
+    return person
+
+
+def layouts(value, rng: random.Random) -> list[bytes]:
+    return [json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(),
+            json.dumps(value, ensure_ascii=False, indent=rng.choice([2, "\t"])).encode(),
+            json.dumps(value, ensure_ascii=False).encode()]
+
+
+def test_instances_pydantic_writes_are_accepted_in_any_layout():
+    machine, rng = SchemaMachine(json.dumps(SCHEMA)), random.Random(0)
+    for _ in range(100):
+        person = random_person(rng)
+        assert valid(person, SCHEMA, SCHEMA)
+        assert accepts(machine, Person.model_validate(person).model_dump_json().encode())
+        for data in layouts(person, rng):
+            assert accepts(machine, data), data
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, ARRAYS], ids=["person", "arrays"])
+def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(schema):
+    machine, rng = SchemaMachine(json.dumps(schema)), random.Random(1)
+    alphabet = '{}[]:,"0123456789.-eatrufnlsidogkcmxyz'
+    samples = [random_person(rng) for _ in range(50)] if schema is SCHEMA else [
+        {"pair": [1, -2], "some": [True, None, [1, {"a": 2}]], "any": {"k": [1.5]}, "either": "s"},
+        {"pair": [0, 0], "some": [], "either": 3}, {"pair": [7, 8], "some": [False]}]
+    agreed = {True: 0, False: 0}
+    for _ in range(3000):
+        chars = list(json.dumps(rng.choice(samples), ensure_ascii=False, separators=(",", ":")))
+        for _ in range(rng.randrange(1, 3)):
+            at = min(rng.randrange(len(chars) + 1), len(chars) - 1)
+            op = rng.randrange(3)
+            if op == 0:
+                del chars[at]
+            elif op == 1:
+                chars.insert(at, rng.choice(alphabet))
+            else:
+                chars[at] = rng.choice(alphabet)
+        edited = "".join(chars)
+        try:
+            value = json.loads(edited)
+            expected = valid(value, schema, schema) and "NaN" not in edited and "Infinity" not in edited
+        except (ValueError, RecursionError):
+            expected = False
+        assert accepts(machine, edited.encode()) == expected, edited
+        agreed[expected] += 1
+    assert min(agreed.values()) > 50, agreed  # both kinds were met
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"pair":[1,2],"some":[]}', True), (b'{"pair":[1],"some":[]}', False), (b'{"pair":[1,2,3],"some":[]}', False),
+    (b'{"pair":[1,2.5],"some":[]}', False), (b'{"pair":[1,2],"some":[[1,{"a":2}]]}', True),
+    (b'{"pair":[1,2],"some":[[1, {"a":2}]]}', False),  # an enum's literal is written compactly
+    (b'{"pair":[1,2],"some":[],"either":-0.5e3}', True), (b'{"pair":[1,2],"some":[],"either":"x"}', True),
+    (b'{"pair":[1,2],"some":[],"either":null}', False), (b'{"pair":[1,2],"some":[],"any":[{"q":1}, "s"]}', True),
+    (b'{"some":[],"pair":[1,2]}', False),  # properties come in the schema's order
+    (b'{"pair":[1,2],"some":[],"either":1,"any":2}', False), (b'{"pair":[1,2],"some":[],"any":2,"either":1}', True),
+    (b'{"pair":[1,2]}', False),  # "some" is required
+    (b'{"pair":[1,2],"pair":[1,2],"some":[]}', False), (b'{"pair":[1,2],"some":[],"other":1}', False),
+])
+def test_arrays_unions_and_any_values(text, ok):
+    assert accepts(SchemaMachine(json.dumps(ARRAYS)), text) == ok
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string"}, "schema: the root must be an object"),
+    ({"anyOf": [{"type": "object"}, {"type": "integer"}]}, "the root must be an object"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}},
+     "schema.properties.a.$ref: '#/$defs/B' names nothing"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only '#'"),
+    ({"type": "object", "required": ["a"]}, "schema.required names 'a'"),
+    ({"type": "object", "properties": {"a": {"type": "blob"}}}, "unknown type 'blob'"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "enum: a non-empty list"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, "maxItems at least"),
+    ({"type": "object", "properties": {"a": 5}}, "schema.properties.a: a schema must be an object"),
+])
+def test_schemas_it_cannot_follow_are_refused_with_where(schema, message):
+    with pytest.raises(SchemaError, match=message.replace("$", r"\$").replace("(", r"\(")):
+        SchemaMachine(json.dumps(schema))
+
+
+def test_the_masks_of_a_schema_are_exactly_the_tokens_its_machine_takes():
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    people = JsonGrammar(tokenizer).constraint(json.dumps(SCHEMA))
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    every = [(t, data) for t, data in every if data]
+    text = json.dumps({"name": "Ann", "age": 30, "tags": ["x"], "kind": "cat", "home": {"street": "Main"},
+                       "extra": {"k": [1]}}, indent=2).encode()
+    for cut in [0, 1, 5, 8, 12, 27, 40, 62, 68, 75, 100, 118, len(text) - 2]:
+        state = advance(people.start, text[:cut], people.machine)
+        allowed = people.allowed(state)
+        assert len(allowed) == len(set(allowed))
+        assert set(allowed) == {t for t, data in every if people.advance(state, t) is not None}, text[:cut]
+    state = people.start
+    for token in tokenizer.encode(text.decode()):
+        state = people.advance(state, token)
+    assert people.done(state)
