@@ -90,7 +90,7 @@ class SamplingParams:
             try:
                 SchemaMachine(self.json_schema)
             except SchemaError as err:
-                raise InvalidRequest(f"response_format.json_schema.{err}") from None
+                raise InvalidRequest(f"json_schema: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -197,9 +197,7 @@ class Sampler:
         (JSON mode); at least one token of such a row must be allowed."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
-        for i, mask in enumerate(banned or ()):
-            if mask is not None:
-                x[i].masked_fill_(mask, float("-inf"))
+        self._apply_banned(x, banned)
         if self.kernel:  # penalties, choice and counts in one launch; x gets the penalties too
             from .sampling_kernel import SlotParams, sample  # noqa: PLC0415 (Triton: only where a GPU is)
 
@@ -226,6 +224,13 @@ class Sampler:
             if p.logit_bias:
                 ids = upload([int(t) for t in p.logit_bias], x.device)
                 x[i].index_add_(0, ids, upload([float(b) for b in p.logit_bias.values()], x.device))
+
+    @staticmethod
+    def _apply_banned(x: Tensor, banned: Sequence[Tensor | None] | None) -> None:
+        rows = [i for i, mask in enumerate(banned or ()) if mask is not None]
+        if rows:  # (a few launches however many rows: 256 JSON rows are not 256 fills)
+            index = upload(rows, x.device)
+            x[index] = x[index].masked_fill(torch.stack([banned[i] for i in rows]), float("-inf"))
 
     def _apply_penalties(self, x: Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.penalized]

@@ -38,6 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from replicas.model.loader import open_model
     from replicas.sampling import SamplingParams
 
+    schema = _read_schema(args.schema) if args.schema else None  # (checked before the model loads)
     runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=_say)
     init = None
     if args.state:  # checked before the engine starts: a file that does not fit is one line
@@ -50,8 +51,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
             raise CliError(f"--state {args.state}: {err}") from None
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop or ()),
+        seed=args.seed, stop=tuple(args.stop or ()), json_object=args.json, json_schema=schema,
     )
+    params.validate(runner.vocab_size)
     prompt = tokenizer.encode(args.prompt)
     engine = Engine(runner, tokenizer, EngineConfig(max_slots=1, max_prompt_tokens=1 << 30))
 
@@ -78,6 +80,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if finished is not None:
         u = finished.usage
         _say(f"[{card.name}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, {finished.reason}]")
+
+
+def _read_schema(path: str) -> str:
+    from replicas.json_schema import SchemaError, SchemaMachine
+
+    try:
+        text = Path(path).read_text()
+        SchemaMachine(text)
+    except OSError as err:
+        raise CliError(f"--schema {path}: {err.strerror}") from None
+    except SchemaError as err:
+        raise CliError(f"--schema {path}: {err}") from None
+    return text
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -112,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
     generate.add_argument("--state", help="an init state to start from: our safetensors, or a state-tuned "
                                           "model's .pth or safetensors (RWKV-PEFT's time_state)")
+    generate.add_argument("--json", action="store_true", help="JSON mode: the output is one JSON object")
+    generate.add_argument("--schema", help="JSON mode with a schema: a JSON Schema file the output is an instance of")
     generate.set_defaults(run=cmd_generate)
 
     serve = sub.add_parser("serve", help="start a local Ray and serve the OpenAI-compatible API")

@@ -61,6 +61,18 @@ def test_generate_uses_the_demo_model_by_default():
     assert "rwkv7-demo-pystdlib" in result.stderr
 
 
+def test_generate_in_json_mode_with_a_schema(tmp_path):
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    result = cli("generate", "--schema", str(tmp_path / "schema.json"), "--seed", "1", "--max-tokens", "400", "x = ")
+    assert result.returncode == 0 and result.stderr.strip().endswith("stop]"), result.stderr
+    value = json.loads(result.stdout)
+    assert list(value) == ["name", "n"] and isinstance(value["name"], str) and type(value["n"]) is int
+
+
 def test_generate_starts_from_a_state_tuned_file(tmp_path):
     demo = ModelConfig.from_tensors(load_file(default_model_dir() / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
@@ -118,6 +130,9 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("generate", "--state", str(tmp_path / "none.pth"), "x"), "none.pth: No such file")
     (tmp_path / "text.pth").write_text("not a state")
     refused(cli("generate", "--state", str(tmp_path / "text.pth"), "x"), "text.pth: not a safetensors file")
+    (tmp_path / "string.json").write_text('{"type": "string"}')
+    refused(cli("generate", "--schema", str(tmp_path / "string.json"), "x"), "schema: the root must be an object")
+    refused(cli("generate", "--schema", str(tmp_path / "none.json"), "x"), "none.json: No such file")
     refused(cli("serve", "--port", "99999999"), "port: Input should be less than or equal to 65535")
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  max_slots: 0\n")
