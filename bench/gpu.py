@@ -557,11 +557,16 @@ def bench_engine(runner, results: dict) -> None:
         config = EngineConfig(max_slots=concurrency, max_waiting=4 * concurrency, max_prefill_tokens=4096,
                               token_chunk_size=512, host_cache_bytes=16 << 30)
         rates, stats = {}, {}
-        cases = (("top-p 0.9", 1.0, True), ("greedy", 0.0, True), ("top-p 0.9, torch sampler", 1.0, False))
-        for seed, (label, temperature, kernel) in enumerate(cases):
+        # JSON mode: every row writes one JSON object (json_object), so its tokens are banned by the
+        # state it is in; a random model's objects end sooner than 128 tokens, and nest deeper than
+        # a trained model's (more states, each a new mask on the host)
+        cases = (("top-p 0.9", 1.0, True, False), ("greedy", 0.0, True, False),
+                 ("top-p 0.9, torch sampler", 1.0, False, False), ("top-p 0.9, JSON mode", 1.0, True, True))
+        for seed, (label, temperature, kernel, json_mode) in enumerate(cases):
             engine = fresh_engine(config)
             engine.sampler.kernel = kernel
-            params = SamplingParams(max_tokens=128, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=128, temperature=temperature, top_p=0.9, seed=0, ignore_eos=True,
+                                    json_object=json_mode)
             gen = torch.Generator().manual_seed(10 * concurrency + seed)  # (no prefix shared across)
             warm, prompts = ([torch.randint(1, 65536, (64,), generator=gen).tolist() for _ in range(concurrency)]
                              for _ in range(2))
@@ -583,11 +588,13 @@ def bench_engine(runner, results: dict) -> None:
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
+                                               "engine_json": rates["top-p 0.9, JSON mode"],
                                                "steady": steady[1], "steady_every_4": steady[4],
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
             f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
-            f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler; steady, {concurrency} "
+            f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler, "
+            f"{rates['top-p 0.9, JSON mode']:,.0f} in JSON mode; steady, {concurrency} "
             f"always in flight: {_steady(steady[1])} (prompts waiting up to 4 steps: {_steady(steady[4])}); "
             f"runner alone {raw:,.0f}")
     for prefix in (512, 4096):
@@ -789,13 +796,17 @@ def table(results: dict, models: list[str]) -> str:
                   "time to first token's median / 90th percentile), with a prefill call every step (the engine's "
                   "default) and with new prompts waiting up to 4 steps to share one (`prefill_every` 4):",
                   "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
-                  "steady, top-p 0.9 | steady, prefill_every 4 | runner decode tokens/s | "
+                  "burst, top-p, JSON mode | steady, top-p 0.9 | steady, prefill_every 4 | runner decode tokens/s | "
                   "burst top-p / greedy / steady, of the runner |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
+            json_cell = "—"
+            if "engine_json" in e:  # (its rows end where their objects close: tokens a request beside it)
+                made = e["counters"]["top-p 0.9, JSON mode"]["generated_tokens"] / (2 * int(concurrency))
+                json_cell = f"{e['engine_json']:,.0f} ({made:.0f} tokens a request)"
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
-                         f"{e['engine_torch_sampler']:,.0f} | {_steady(e['steady'])} | "
+                         f"{e['engine_torch_sampler']:,.0f} | {json_cell} | {_steady(e['steady'])} | "
                          f"{_steady(e['steady_every_4'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
                          f"{e['engine_greedy'] / raw:.0%} / {e['steady']['generated'] / raw:.0%} |")
     if results.get("state_move"):

@@ -92,3 +92,50 @@ def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, wher
     finally:
         engine.stop()
     assert results == expected
+
+
+def test_json_mode_on_the_gpu_writes_the_cpus_json(model_dir):
+    """JSON mode through the engine on the GPU (the masks on the device, the sampler's kernel):
+    greedy rows write the CPU engine's text, and every row that ends is an object, or an instance
+    of its schema."""
+    import json
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                                                          "ok": {"type": "boolean"}}, "required": ["name", "n"]})
+    kinds = [{"json_object": True}, {"json_schema": schema}]
+    greedy = [SamplingParams(max_tokens=64, temperature=0.0, **kind) for kind in kinds]
+    sampled = [SamplingParams(max_tokens=96, top_p=0.9, seed=seed, **kind) for seed, kind in enumerate(kinds * 3)]
+
+    def run(device: str, params: list[SamplingParams]) -> list[tuple[str, str]]:
+        runner, tokenizer, _ = open_model(model_dir, max_slots=4, device=device)
+        engine = Engine(runner, tokenizer, EngineConfig(max_slots=4)).start()
+
+        async def one(prompt: str, p: SamplingParams) -> tuple[str, str]:
+            text, reason = "", None
+            async for event in engine.generate(Request(tokenizer.encode(prompt), p)):
+                if isinstance(event, Delta):
+                    text += event.text
+                else:
+                    reason = getattr(event, "reason", reason)
+            return text, reason
+
+        async def everything():
+            return await asyncio.gather(*(one(prompt, p) for prompt in PROMPTS[:3] for p in params))
+
+        try:
+            results = asyncio.run(everything())
+            engine.check_integrity()
+        finally:
+            engine.stop()
+        return results
+
+    params = greedy + sampled
+    on_gpu = run("cuda", params)
+    assert [r for i, r in enumerate(on_gpu) if i % len(params) < 2] == run("cpu", greedy)
+    for i, (text, reason) in enumerate(on_gpu):
+        if reason == "stop":
+            value = json.loads(text)
+            assert isinstance(value, dict)
+            if params[i % len(params)].json_schema:
+                assert isinstance(value["name"], str) and type(value["n"]) is int, text
+    assert sum(reason == "stop" for _, reason in on_gpu) >= len(on_gpu) // 2
