@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,8 +36,8 @@ from .tokenizer import Tokenizer
 
 MAX_INDENT = 20
 MAX_DEPTH = 32
-MEMO_STATES = 512  # banned-token masks kept per constraint (a mask is vocab_size bytes on the device)
-MEMO_SCHEMAS = 16  # schemas' constraints kept per grammar
+MEMO_STATES = 2048  # banned-token masks kept per constraint (a mask is vocab_size bits on the device)
+MEMO_SCHEMAS = 8  # schemas' constraints kept per grammar: at most 9 × 2,048 masks, 151 MB at 65,536 tokens
 
 State = tuple[bytes, int, int]
 
@@ -243,13 +244,14 @@ class Constraint:
         return self._grammar.trie.walk(self.machine, state)
 
     def banned(self, state: Any) -> Tensor:
-        """bool [vocab_size] on the grammar's device, True where a token may not come next
-        (memoised; the tensor is shared: do not change it)."""
+        """The tokens that may not come next, as bits on the grammar's device (uint8
+        [ceil(vocab_size / 8)]: token t is bit t % 8 of byte t // 8; `unpack` makes them bool).
+        Memoised; the tensor is shared: do not change it."""
         mask = self._banned.get(state)
         if mask is None:
-            mask = torch.ones(self._grammar.vocab_size, dtype=torch.bool)
-            mask[self.allowed(state)] = False
-            mask = mask.to(self._grammar.device)
+            banned = np.ones(self._grammar.vocab_size, dtype=bool)
+            banned[self.allowed(state)] = False
+            mask = torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
             self._banned[state] = mask
             if len(self._banned) > MEMO_STATES:
                 self._banned.popitem(last=False)
@@ -346,6 +348,12 @@ class _Trie:
                 if self.children[child]:
                     todo.append((child, nxt))
         return allowed
+
+
+def unpack(bits: Tensor, vocab_size: int) -> Tensor:
+    """Constraint.banned's bits (any leading dimensions) -> bool [..., vocab_size]."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
 
 
 def _plain(b: int) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .json_grammar import unpack
 from .json_schema import SchemaError, SchemaMachine
 
 MAX_LOGPROBS = 20
@@ -193,8 +194,8 @@ class Sampler:
                uniforms: Sequence[float], banned: Sequence[Tensor | None] | None = None) -> Chosen:
         """sample's choice, queued on the logits' device: its tokens can feed the model before the
         host has read them (Chosen.result waits for them, and for nothing queued after them).
-        banned: per row, None or bool [V] on the device, True for tokens the row may not take
-        (JSON mode); at least one token of such a row must be allowed."""
+        banned: per row, None or the tokens the row may not take (JSON mode), as
+        json_grammar.Constraint.banned's bits on the device; a row must be allowed one token."""
         x = logits.to(torch.float32, copy=True)  # changed in place below; one copy, whatever the dtype
         self._apply_bias(x, params)
         self._apply_banned(x, banned)
@@ -227,10 +228,11 @@ class Sampler:
 
     @staticmethod
     def _apply_banned(x: Tensor, banned: Sequence[Tensor | None] | None) -> None:
-        rows = [i for i, mask in enumerate(banned or ()) if mask is not None]
+        rows = [i for i, bits in enumerate(banned or ()) if bits is not None]
         if rows:  # (a few launches however many rows: 256 JSON rows are not 256 fills)
             index = upload(rows, x.device)
-            x[index] = x[index].masked_fill(torch.stack([banned[i] for i in rows]), float("-inf"))
+            masks = unpack(torch.stack([banned[i] for i in rows]), x.shape[1])
+            x[index] = x[index].masked_fill(masks, float("-inf"))
 
     def _apply_penalties(self, x: Tensor, slots: Sequence[int], params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.penalized]

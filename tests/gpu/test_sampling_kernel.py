@@ -9,6 +9,7 @@ Marked `gpu`; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,7 +128,8 @@ def test_banned_tokens_json_mode_are_never_chosen_nor_listed():
               SamplingParams(temperature=1.5, logit_bias={3: 100.0}), SamplingParams(presence_penalty=2.0),
               SamplingParams(temperature=1.0)]
     allowed = [torch.randperm(vocab, generator=gen)[:n] for n in (3, 2, 40, 1, 700)]
-    banned = [torch.ones(vocab, dtype=torch.bool).index_fill_(0, a, False).to(DEVICE) for a in allowed]
+    masks = [torch.ones(vocab, dtype=torch.bool).index_fill_(0, a, False) for a in allowed]
+    banned = [torch.from_numpy(np.packbits(m.numpy(), bitorder="little")).to(DEVICE) for m in masks]
     banned[4] = None  # a row not in JSON mode beside them
     slots = list(range(len(params)))
     torch_lines = Sampler(len(params), vocab, DEVICE, kernel=False)

@@ -7,9 +7,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from replicas import json_grammar as jg
-from replicas.json_grammar import START_STATE, JsonGrammar, accepts, advance
+from replicas.json_grammar import START_STATE, JsonGrammar, accepts, advance, unpack
 from replicas.tokenizer import load_tokenizer
 
 WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
@@ -116,11 +117,22 @@ def test_the_tries_allowed_tokens_are_exactly_those_whose_bytes_the_machine_take
         allowed = objects.allowed(state)
         assert len(allowed) == len(set(allowed))
         assert set(allowed) == {t for t, data in every if advance(state, data) is not None}, prefix
-        banned = objects.banned(state)
-        assert banned.dtype.is_floating_point is False and banned.shape == (tokenizer.vocab_size,)
+        bits = objects.banned(state)
+        assert bits.dtype == torch.uint8 and bits.shape == (tokenizer.vocab_size // 8,)
+        banned = unpack(bits, tokenizer.vocab_size)
+        assert banned.shape == (tokenizer.vocab_size,) and banned.dtype == torch.bool
         assert not banned[allowed].any() and int((~banned).sum()) == len(allowed)
         assert bool(banned[0])  # end of text (no bytes) waits for the object to close
     assert objects.banned(START_STATE) is objects.banned(START_STATE)  # memoised
+
+
+def test_bits_unpack_to_the_mask_they_pack():
+    import numpy as np
+
+    for vocab in (8, 13, 65536):
+        mask = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab)) < 0.3
+        bits = torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
+        assert torch.equal(unpack(bits, vocab), mask)
 
 
 def test_a_token_advances_the_state_by_its_bytes(world):
