@@ -25,7 +25,7 @@ in a key), in LITERAL the literal and the position in it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import numpy as np
@@ -247,17 +247,12 @@ class Constraint:
         """The tokens that may not come next, as bits on the grammar's device (uint8
         [ceil(vocab_size / 8)]: token t is bit t % 8 of byte t // 8; `unpack` makes them bool).
         Memoised; the tensor is shared: do not change it."""
-        mask = self._banned.get(state)
-        if mask is None:
-            banned = np.ones(self._grammar.vocab_size, dtype=bool)
-            banned[self.allowed(state)] = False
-            mask = torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
-            self._banned[state] = mask
-            if len(self._banned) > MEMO_STATES:
-                self._banned.popitem(last=False)
-        else:
-            self._banned.move_to_end(state)
-        return mask
+        return _remembered(self._banned, state, lambda: self._make_banned(state), MEMO_STATES)
+
+    def _make_banned(self, state: Any) -> Tensor:
+        banned = np.ones(self._grammar.vocab_size, dtype=bool)
+        banned[self.allowed(state)] = False
+        return torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
 
 
 class JsonGrammar:
@@ -275,17 +270,12 @@ class JsonGrammar:
     def constraint(self, schema: str | None = None) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises
         SchemaError for one it cannot follow)."""
-        found = self._constraints.get(schema)
-        if found is None:
-            from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
+        from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
 
-            found = Constraint(ObjectMachine() if schema is None else SchemaMachine(schema), self)
-            self._constraints[schema] = found
-            if len(self._constraints) > MEMO_SCHEMAS:
-                self._constraints.popitem(last=False)
-        else:
-            self._constraints.move_to_end(schema)
-        return found
+        def make() -> Constraint:
+            return Constraint(ObjectMachine() if schema is None else SchemaMachine(schema), self)
+
+        return _remembered(self._constraints, schema, make, MEMO_SCHEMAS)
 
 
 class _Trie:
@@ -348,6 +338,18 @@ class _Trie:
                 if self.children[child]:
                     todo.append((child, nxt))
         return allowed
+
+
+def _remembered(memo: OrderedDict, key: Any, make: Callable[[], Any], limit: int) -> Any:
+    """memo[key], made on a miss; past `limit` entries the least recently used goes."""
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = make()
+        if len(memo) > limit:
+            memo.popitem(last=False)
+    else:
+        memo.move_to_end(key)
+    return found
 
 
 def unpack(bits: Tensor, vocab_size: int) -> Tensor:

@@ -6,7 +6,8 @@ and the mapping from request fields to the engine's `SamplingParams`. Never touc
 model or Ray.
 
 RWKV extensions to the request (all optional): `init_state` (the id or name of a loaded init
-state to start from), `top_k`, `penalty_decay`, `stop_token_ids`, `ignore_eos`.
+state to start from), `top_k`, `penalty_decay`, `stop_token_ids`, `ignore_eos`; and chat's
+`response_format` on completions too.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ class _Sampling(BaseModel):
     @property
     def json_object(self) -> bool:
         return self.response_format is not None and self.response_format.type == "json_object"
+
+    @property
+    def json_mode(self) -> bool:
+        """json_object or json_schema."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def json_schema(self) -> str | None:
