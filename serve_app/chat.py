@@ -12,12 +12,13 @@ Never touches tokens or the model.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
 
-from .protocol import ApiError, ChatMessage
+from .protocol import ApiError, ChatMessage, Tool
 
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
@@ -26,25 +27,42 @@ class ChatTemplate(BaseModel):
     user: str = Field("User", description="the user's role name in the prompt")
     assistant: str = Field("Assistant", description="the assistant's role name in the prompt")
     system: str = Field("System", description="the system role's name in the prompt")
+    tool: str = Field("Tool", description="the role name of a tool's result in the prompt")
     system_message: str | None = Field(None, description="added first when a request has no system message")
     stop: list[str] = Field(["\n\n"], description="stop strings every chat request gets (the end of a turn)")
 
     def role_name(self, role: str) -> str:
-        names = {"system": self.system, "developer": self.system, "user": self.user, "assistant": self.assistant}
+        names = {"system": self.system, "developer": self.system, "user": self.user, "assistant": self.assistant,
+                 "tool": self.tool}
         if role not in names:
-            raise ApiError(400, f"unsupported message role {role!r}: use system, developer, user or assistant",
+            raise ApiError(400, f"unsupported message role {role!r}: use system, developer, user, assistant or tool",
                            param="messages")
         return names[role]
 
 
-def render(messages: Sequence[ChatMessage], template: ChatTemplate) -> str:
-    """The prompt for a chat: every message as a turn, then the assistant's name to answer after."""
+def render(messages: Sequence[ChatMessage], template: ChatTemplate, tools: Sequence[Tool] = ()) -> str:
+    """The prompt for a chat: every message as a turn, then the assistant's name to answer after.
+    `tools`, when the reply is to call one: a system turn saying which, before the first message
+    that is not a system message."""
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     turns = [f"{template.role_name(m.role)}: {_clean(m.text())}" for m in messages]
-    if template.system_message and all(m.role not in ("system", "developer") for m in messages):
+    system = [m.role in ("system", "developer") for m in messages]
+    if tools:
+        turns.insert(system.index(False) if False in system else len(turns), f"{template.system}: {_tools_text(tools)}")
+    if template.system_message and not any(system):
         turns.insert(0, f"{template.system}: {_clean(template.system_message)}")
     return "\n\n".join(turns) + f"\n\n{template.assistant}:"
+
+
+def _tools_text(tools: Sequence[Tool]) -> str:
+    lines = ['Answer by calling one of these tools, as a JSON object {"name": ..., "arguments": {...}}:']
+    for tool in tools:
+        f = tool.function
+        parameters = json.dumps(f.parameters or {"type": "object"})
+        described = f"- {f.name}: {_clean(f.description)}" if f.description else f"- {f.name}"
+        lines.append(f"{described}; arguments: {parameters}")
+    return "\n".join(lines)
 
 
 def _clean(text: str) -> str:

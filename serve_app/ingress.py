@@ -198,14 +198,14 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         body.refuse_unsupported()
-        prompt = await self._encode(chat.render(body.messages, self.config.chat))
+        prompt = await self._encode(chat.render(body.messages, self.config.chat, body.tools if body.calls_tool else ()))
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           self.config.default_max_tokens)  # (0 is a 400, not the default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop = [] if body.json_mode else self.config.chat.stop  # (a JSON reply ends where its object closes)
         params = sampling_params_checked(body, max_tokens, stop, logprobs, self.model_config.vocab_size)
         requests, prompt_of = self._requests([prompt], body.n, params, body.init_state)
-        fmt = ChatFormat(self.model_name, len(requests), body.logprobs)
+        fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool)
         return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
 
     async def _respond(self, fmt: CompletionFormat | ChatFormat, requests: list[EngineRequest],

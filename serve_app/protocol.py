@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from replicas.json_schema import SchemaError, SchemaMachine
 from replicas.sampling import MAX_LOGPROBS, SamplingParams
@@ -158,17 +158,57 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message's call")
 
     def text(self) -> str:
+        """The message as its turn shows it: its text, then each tool call it made as the JSON
+        object a call is written as (`{"name": ..., "arguments": {...}}`)."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        if any(part.type != "text" for part in self.content):
+            text = self.content or ""
+        elif any(part.type != "text" for part in self.content):
             raise ApiError(400, "only text content parts are supported", param="messages")
-        return "".join(part.text or "" for part in self.content)
+        else:
+            text = "".join(part.text or "" for part in self.content)
+        calls = [json.dumps({"name": c.function.name, "arguments": _json_or_text(c.function.arguments)})
+                 for c in self.tool_calls or ()]
+        return "\n".join([text, *calls] if text else calls)
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -177,14 +217,53 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"required" or a named function: the reply is a call (JSON mode on the arguments\' '
+        'schema); "auto" is not supported (RWKV models have no tool-call format to choose one by)')
 
     def refuse_unsupported(self) -> None:
-        if self.tools:
-            raise ApiError(400, "tools are not supported", param="tools")
+        if self.tools and self.tool_choice in (None, "auto"):
+            raise ApiError(400, 'tool_choice "auto" is not supported: a reply is a tool call when tool_choice is '
+                           '"required" or names a function, else text ("none")', param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self._tools():
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which tools does not",
+                           param="tool_choice")
+        if self.calls_tool and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "response_format and a tool call cannot be asked together", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def calls_tool(self) -> bool:
+        """The reply is a tool call: tools given, and tool_choice "required" or a named function."""
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+
+    @property
+    def json_mode(self) -> bool:
+        return self.calls_tool or super().json_mode
+
+    @property
+    def json_schema(self) -> str | None:
+        """A tool call's schema (one of the tools', or the named one's: {"name", "arguments"}), or
+        the response format's."""
+        if not self.calls_tool:
+            return super().json_schema
+        tools = self._tools()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = {self.tool_choice.function.name: tools[self.tool_choice.function.name]}
+        calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                  "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}}}
+                 for name, parameters in tools.items()]
+        text = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        try:
+            SchemaMachine(text)
+        except SchemaError as err:
+            raise ApiError(400, f"tools: the arguments' schemas: {err}", param="tools") from None
+        return text
+
+    def _tools(self) -> dict[str, dict[str, Any] | None]:
+        return {t.function.name: t.function.parameters for t in self.tools or ()}
 
 
 class StateFromFile(BaseModel):
@@ -262,9 +341,25 @@ class ChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
+class _CallsWhenMade(BaseModel):
+    """`tool_calls` appears only in a message or delta that makes calls, as in OpenAI's."""
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls", ...) is None:
+            del data["tool_calls"]
+        return data
+
+
+class AssistantMessage(_CallsWhenMade):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolCallDelta(ToolCall):
+    index: int = 0
 
 
 class ChatChoice(BaseModel):
@@ -284,9 +379,10 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_CallsWhenMade):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -379,6 +475,14 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         json_object=req.json_object,
         json_schema=req.json_schema,
     )
+
+
+def _json_or_text(text: str) -> Any:
+    """A call's arguments as JSON when they are (they are written back as a value), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -8,6 +8,7 @@ Never touches Ray, HTTP or tokens.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +34,9 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
     TopLogprob,
     Usage,
 )
@@ -147,15 +151,23 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     """/v1/chat/completions: `chat.completion` objects, or `chat.completion.chunk`s with role deltas first."""
 
-    def __init__(self, model: str, count: int, logprobs: bool):
+    def __init__(self, model: str, count: int, logprobs: bool, tool_call: bool = False):
+        """tool_call: each choice's text is a tool call's JSON ({"name", "arguments"}), given as
+        `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends)."""
         super().__init__("chatcmpl", model, count)
         self.logprobs = logprobs
+        self.tool_call = tool_call
         self._lead = [LeadingSpace() for _ in range(count)]
+        self._held = [""] * count  # a tool call's text until its choice ends
 
     def body(self, outcomes: Sequence[Outcome], usage: Usage) -> ChatCompletion:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text.lstrip()),
-                              finish_reason=o.finish_reason, logprobs=self._logprobs(o.logprobs))
-                   for i, o in enumerate(outcomes)]
+        choices = []
+        for i, o in enumerate(outcomes):
+            call = self._call(o.text, o.finish_reason)
+            message = (AssistantMessage(content=o.text.lstrip()) if call is None
+                       else AssistantMessage(tool_calls=[call]))
+            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if call else o.finish_reason,
+                                      logprobs=self._logprobs(o.logprobs)))
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
@@ -163,6 +175,8 @@ class ChatFormat(_Format):
                 for i in range(self.count)]
 
     def chunk(self, index: int, chunk: Chunk) -> ChatCompletionChunk | None:
+        if self.tool_call:
+            return self._tool_chunk(index, chunk)
         text = self._lead[index].strip(chunk.text)
         if not (text or chunk.logprobs or chunk.finish_reason):
             return None
@@ -170,6 +184,35 @@ class ChatFormat(_Format):
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=chunk.finish_reason,
                                  logprobs=self._logprobs(chunk.logprobs))
         return self._chunk([choice])
+
+    def _tool_chunk(self, index: int, chunk: Chunk) -> ChatCompletionChunk | None:
+        """A tool call's text is held until its choice ends, then sent as the call (or as text,
+        where max_tokens or a stop string cut it short)."""
+        self._held[index] += chunk.text
+        if not chunk.finish_reason:
+            if not chunk.logprobs:
+                return None
+            logprobs = self._logprobs(chunk.logprobs)
+            return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs)])
+        call = self._call(self._held[index], chunk.finish_reason)
+        if call is None:
+            delta, reason = ChatDelta(content=self._held[index].lstrip()), chunk.finish_reason
+        else:
+            delta, reason = ChatDelta(tool_calls=[ToolCallDelta(index=0, **call.model_dump())]), "tool_calls"
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=reason,
+                                            logprobs=self._logprobs(chunk.logprobs))])
+
+    def _call(self, text: str, finish_reason: str | None) -> ToolCall | None:
+        """The tool call a choice's text is, when the choice is one and its JSON closed."""
+        if not self.tool_call or finish_reason != "stop":
+            return None
+        try:
+            value = json.loads(text)
+            name, arguments = value["name"], value["arguments"]
+        except (ValueError, TypeError, KeyError):
+            return None  # (a stop string of the request's cut it)
+        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                        function=ToolCallFunction(name=name, arguments=json.dumps(arguments)))
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)

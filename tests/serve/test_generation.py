@@ -89,6 +89,27 @@ def test_chat_role_names_and_system_message_come_from_the_config():
     assert prompt == "System: You are terse.\n\nQ: 2+2?\n\nA:"
 
 
+def test_chat_renders_tools_their_results_and_earlier_calls():
+    from serve_app.protocol import Tool
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [Tool(type="function", function={"name": "get_weather", "description": "The weather\n\nnow.",
+                                             "parameters": city}),
+             Tool(type="function", function={"name": "now"})]
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Rain in Oslo?"),
+                ChatMessage(role="assistant", tool_calls=[{"id": "c1", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]),
+                ChatMessage(role="tool", tool_call_id="c1", content="rain")]
+    assert render(messages, ChatTemplate(), tools) == (
+        "System: Be brief.\n\n"
+        'System: Answer by calling one of these tools, as a JSON object {"name": ..., "arguments": {...}}:\n'
+        '- get_weather: The weather\nnow.; arguments: {"type": "object", "properties": {"city": {"type": "string"}}}\n'
+        '- now; arguments: {"type": "object"}\n\n'
+        "User: Rain in Oslo?\n\n"
+        'Assistant: {"name": "get_weather", "arguments": {"city": "Oslo"}}\n\n'
+        "Tool: rain\n\nAssistant:")
+
+
 def test_n_and_prompt_lists_give_one_choice_each(client):
     body = complete(client, prompt=["a", "b"], n=2, seed=3, temperature=1.0, max_tokens=5)
     assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
@@ -253,3 +274,56 @@ def test_json_mode_over_http(client, tokenizer):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"].startswith("response_format") and error["message"].startswith(message), error
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "set_light", "description": "Switch the light.", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "paint", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]}}},
+]
+
+
+def test_tool_calls_over_http(client):
+    """tool_choice "required" or a named function: the reply is a call to one of the tools with
+    arguments its schema describes (finish_reason "tool_calls"), whole or streamed; "auto" and
+    calls that cannot be made are 400s. (The tools' arguments here leave a bounded choice of texts:
+    any model's call closes within max_tokens.)"""
+    import json
+
+    messages = [{"role": "user", "content": "Lights on, please."}]
+    body = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "tool_choice": "required",
+                                                      "n": 3, "seed": 5, "max_tokens": 200}).json()
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        arguments = json.loads(call["function"]["arguments"])
+        assert (call["function"]["name"], list(arguments)) in [("set_light", ["on"]), ("paint", ["color"])]
+        assert arguments.get("on") in (True, False) or arguments.get("color") in ("red", "green")
+    named = {"type": "function", "function": {"name": "paint"}}
+    events = stream(client, "/v1/chat/completions", messages=messages, tools=TOOLS, tool_choice=named,
+                    max_tokens=200, seed=6)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    (last,) = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = last["choices"][0]["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "paint"
+    assert json.loads(call["function"]["arguments"])["color"] in ("red", "green")
+    assert not any(e["choices"][0]["delta"].get("content") for e in events if e["choices"] and e is not events[0])
+    # a conversation that goes on after a call and its result
+    after = messages + [{"role": "assistant", "tool_calls": [{"id": call["id"], "type": "function",
+                                                              "function": call["function"]}]},
+                        {"role": "tool", "tool_call_id": call["id"], "content": "done"}]
+    response = client.post("/v1/chat/completions", json={"messages": after, "tools": TOOLS, "tool_choice": "none",
+                                                          "max_tokens": 4})
+    assert response.status_code == 200 and "tool_calls" not in response.json()["choices"][0]["message"]
+    for extra, param in [({}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+                         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+                             "name": "x", "parameters": {"type": "object", "properties": {"a": {"type": "blob"}}}}}]},
+                          "tools")]:
+        response = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -61,3 +61,17 @@ def test_structured_output_parses_into_the_model(oai):
                                             response_format=Flag, max_tokens=200, seed=4)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Flag)
+
+
+def test_a_required_tool_call(oai):
+    import json
+
+    switch = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "set_light", "parameters": switch}}]
+    completion = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Light on."}],
+                                             tools=tools, tool_choice="required", max_tokens=200, seed=7)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "set_light" and json.loads(call.function.arguments)["on"] in (True, False)
