@@ -6,8 +6,9 @@ RWKV chat models are trained on turns separated by a blank line:
 
 A blank line inside a message would read as the end of its turn, so messages have their blank
 lines collapsed to single newlines (as ChatRWKV does); the reply ends at the next blank line (the
-template's stop string). Owns the role names, the default system message and those stop strings.
-Never touches tokens or the model.
+template's stop string). Owns the role names, the default system message, those stop strings,
+and the system turn that lists the tools when the reply is to call one (a call, and a tool's
+result, are turns like the others). Never touches tokens or the model.
 """
 
 from __future__ import annotations
