@@ -136,18 +136,26 @@ def processes(named: str) -> list[int]:
 
 def engine_processes() -> dict[int, int]:
     """This application's replicas' engine processes (replicas/engine_process.py): pid -> its
-    replica's pid."""
+    replica's pid. Only this session's: a replica is a worker of this session's raylet (another
+    Ray on the machine, a benchmark's, has its own)."""
+    import ray
+
     from serve_app.app import APP_NAME
 
+    raylets = {p.process.pid for p in ray._private.worker._global_node.all_processes["raylet"]}
     pids = {}
     for pid in processes("replicas.engine_process"):
-        try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue  # it has just ended
-        if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent):
+        parent = parent_of(pid)
+        if f"ServeReplica:{APP_NAME}:Replica" in cmdline(parent) and parent_of(parent) in raylets:
             pids[pid] = parent
     return pids
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None  # it has just ended
 
 
 def running(pid: int) -> bool:
