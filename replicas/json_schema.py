@@ -7,8 +7,9 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
 - `type`: object, array, string, number, integer, boolean, null, or a list of them;
 - objects: `properties`, written in the schema's order, each optional unless `required` names
   it, and no other members (as `additionalProperties: false`); an object without `properties`
-  takes any members;
-- arrays: `items`, `minItems`, `maxItems`;
+  takes any members, or members of any names whose values `additionalProperties` describes
+  (pydantic's `dict[str, X]`);
+- arrays: `items`, `prefixItems` (pydantic's tuples), `minItems`, `maxItems`;
 - `enum` and `const`, of any JSON values (written compactly: `[1,2]`, not `[1, 2]`);
 - `anyOf`, `oneOf` (taken as anyOf), `allOf` of one schema, `$ref` to `#`, `#/$defs/…` or
   `#/definitions/…` (recursive ones too);
@@ -21,8 +22,9 @@ and nesting have json_grammar's bounds.
 A schema is read into nodes (a list; a `$ref` is the index of its target's node, so recursion is
 a cycle). The machine is nondeterministic (two branches of an anyOf may start alike; a number may
 end or go on), so a state is a frozenset of elements, each (frames, lex): `frames` the containers
-the current value is in, innermost last (("o", object node, its next property) or ("a", array
-node, its items before this one)); `lex` where in the current thing the text is (the tags below).
+the current value is in, innermost last (("o", object node, its next property), ("d", object
+node, 0) for a member of any name, or ("a", array node, its items before this one)); `lex` where
+in the current thing the text is (the tags below).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ MAX_LITERALS = 1000
 # nodes
 ANY, OBJECT, ARRAY, STRING, NUMBER, LITERALS, UNION = range(7)
 # lex tags: where a value, a member or an item may come (their last field is the whitespace run,
-# as json_grammar's aux) ...
-VAL, OBJ, OKEY, COLON, ARR0, ARR, DONE = range(7)
-# ... and inside a value: a key, a string, a number, an enum's literal, a value of any shape
-KEY, STR, NUM, LIT, FREE = range(7, 12)
+# as json_grammar's aux; DICT, DOKEY and DCOLON are OBJ, OKEY and COLON for members of any name) ...
+VAL, OBJ, OKEY, COLON, ARR0, ARR, DICT, DOKEY, DCOLON, DONE = range(10)
+# ... and inside a value: a key, a string, a number, an enum's literal, a value of any shape, a
+# key of any name
+KEY, STR, NUM, LIT, FREE, DKEY = range(10, 16)
 
 Element = tuple[tuple, tuple]
 
@@ -75,14 +78,10 @@ class SchemaMachine:
         return frozenset(after) if after else None
 
     def plain(self, state: frozenset) -> bool:
-        return all(lex == (STR, 0) or (lex[0] == FREE and self._free_plain(lex[1])) for _, lex in state)
+        return all(_in_plain_string(lex) for _, lex in state)
 
     def done(self, state: frozenset) -> bool:
         return any(lex[0] == DONE for _, lex in state)
-
-    @staticmethod
-    def _free_plain(state: jg.State) -> bool:
-        return state[1] == jg.STRING or state[1] == jg.KEY_STRING
 
     def _step(self, element: Element, b: int) -> list[Element]:
         frames, lex = element
@@ -94,8 +93,13 @@ class SchemaMachine:
             return self._structural(frames, lex, b)
         if tag == KEY:
             return self._key(frames, lex, b)
-        if tag == STR:
-            return self._string(frames, lex[1], b)
+        if tag == STR or tag == DKEY:
+            esc = _string(lex[-1], b)
+            if esc is None:
+                return []
+            if esc != CLOSED:
+                return [(frames, lex[:-1] + (esc,))]
+            return [_complete(frames)] if tag == STR else [(frames, (DCOLON, lex[1], 0))]
         if tag == NUM:
             mode = _number(lex[1], b, lex[2])
             return [] if mode is None else self._closure((frames, (NUM, mode, lex[2])))
@@ -127,6 +131,18 @@ class SchemaMachine:
             return []
         if tag == OKEY:
             return [(frames, (KEY, lex[1], lex[2], b""))] if b == jg.QUOTE else []
+        if tag == DICT:
+            if b == ord("}"):
+                return [_complete(frames)]
+            if b == (jg.QUOTE if lex[2] else ord(",")):
+                return [(frames, (DKEY, lex[1], 0)) if lex[2] else (frames, (DOKEY, lex[1], 0))]
+            return []
+        if tag == DOKEY:
+            return [(frames, (DKEY, lex[1], 0))] if b == jg.QUOTE else []
+        if tag == DCOLON:
+            if b != ord(":") or len(frames) >= jg.MAX_DEPTH:
+                return []
+            return [(frames + (("d", lex[1], 0),), (VAL, node[3], 0))]
         if tag == COLON:
             if b != ord(":") or len(frames) >= jg.MAX_DEPTH:
                 return []
@@ -141,13 +157,13 @@ class SchemaMachine:
         if b == ord("]") and count >= node[2]:
             return [_complete(frames)]
         if b == ord(",") and (node[3] is None or count < node[3]) and len(frames) < jg.MAX_DEPTH:
-            return [(frames + (("a", at, count),), (VAL, node[1], 0))]
+            return [(frames + (("a", at, count),), (VAL, _item_node(node, count), 0))]
         return []
 
     def _item(self, frames: tuple, at: int, count: int, b: int) -> list[Element]:
         if len(frames) >= jg.MAX_DEPTH:
             return []
-        return self._value(frames + (("a", at, count),), self.nodes[at][1], b)
+        return self._value(frames + (("a", at, count),), _item_node(self.nodes[at], count), b)
 
     def _value(self, frames: tuple, at: int, b: int) -> list[Element]:
         """A value of node `at` begun with the byte b."""
@@ -161,6 +177,8 @@ class SchemaMachine:
         if kind == OBJECT:
             if b != jg.OPEN_OBJECT:
                 return []
+            if node[3] is not None:  # members of any name, values of a schema
+                return [(frames, (DICT, at, True, 0))]
             return [(frames, (FREE, (b"{", jg.OBJECT0, 0)) if node[2] else (OBJ, at, 0, True, 0))]
         if kind == ARRAY:
             return [(frames, (ARR0, at, 0))] if b == jg.OPEN_ARRAY else []
@@ -191,21 +209,6 @@ class SchemaMachine:
             return [(frames, (COLON, at, j, 0)) for j, name in names if name == prefix]
         prefix += bytes((b,))
         return [(frames, (KEY, at, i, prefix))] if any(name.startswith(prefix) for _, name in names) else []
-
-    @staticmethod
-    def _string(frames: tuple, esc: int, b: int) -> list[Element]:
-        """esc: 0 in the text, -1 after a backslash, k > 0 hex digits of a \\u escape left."""
-        if esc == 0:
-            if b == jg.QUOTE:
-                return [_complete(frames)]
-            if b == jg.BACKSLASH:
-                return [(frames, (STR, -1))]
-            return [(frames, (STR, 0))] if b >= 0x20 else []
-        if esc == -1:
-            if b == ord("u"):
-                return [(frames, (STR, 4))]
-            return [(frames, (STR, 0))] if b in jg.SIMPLE_ESCAPES else []
-        return [(frames, (STR, esc - 1))] if b in jg.HEX_DIGITS else []
 
     @staticmethod
     def _eligible(node: tuple, i: int) -> range:
@@ -274,14 +277,25 @@ class SchemaMachine:
             at = self._add(None)
             props = tuple((_key_text(name), self._read(s, f"{where}.properties.{name}"), name in required)
                           for name, s in properties.items())
-            self.nodes[at] = (OBJECT, props, not props and schema.get("additionalProperties") is not False)
+            extra = schema.get("additionalProperties")
+            values = None  # members of any name have values of this node (no properties listed)
+            if not props and isinstance(extra, dict) and extra:
+                values = self._read(extra, f"{where}.additionalProperties")
+            self.nodes[at] = (OBJECT, props, not props and extra is not False and values is None, values)
             return at
         if kind == "array":
             low, high = schema.get("minItems", 0), schema.get("maxItems")
             if not isinstance(low, int) or (high is not None and (not isinstance(high, int) or high < low)):
                 raise SchemaError(f"{where}: minItems and maxItems must be integers, maxItems at least minItems")
+            prefix = schema.get("prefixItems", [])
+            if not isinstance(prefix, list):
+                raise SchemaError(f"{where}.prefixItems: a list")
             at = self._add(None)
-            self.nodes[at] = (ARRAY, self._read(schema.get("items", {}), f"{where}.items"), low, high)
+            items = schema.get("items", {})
+            if items is False:  # no items past the prefix
+                items, high = {}, len(prefix) if high is None else min(high, len(prefix))
+            self.nodes[at] = (ARRAY, self._read(items, f"{where}.items"), low, high,
+                              tuple(self._read(p, f"{where}.prefixItems[{n}]") for n, p in enumerate(prefix)))
             return at
         if kind == "string":
             return self._add((STRING,))
@@ -327,6 +341,37 @@ class SchemaMachine:
         return node[0] == OBJECT or (node[0] == LITERALS and all(t.startswith(b"{") for t in node[1]))
 
 
+CLOSED = -2  # _string: the string's closing quote
+
+
+def _string(esc: int, b: int) -> int | None:
+    """Inside a string, its escape state after the byte b (0 in the text, -1 after a backslash,
+    k > 0 hex digits of a \\u escape left), CLOSED at its closing quote, or None."""
+    if esc == 0:
+        if b == jg.QUOTE:
+            return CLOSED
+        if b == jg.BACKSLASH:
+            return -1
+        return 0 if b >= 0x20 else None
+    if esc == -1:
+        if b == ord("u"):
+            return 4
+        return 0 if b in jg.SIMPLE_ESCAPES else None
+    return esc - 1 if b in jg.HEX_DIGITS else None
+
+
+def _in_plain_string(lex: tuple) -> bool:
+    """Inside a string's text, where a plain byte leaves the element as it is."""
+    if lex[0] == STR or lex[0] == DKEY:
+        return lex[-1] == 0
+    return lex[0] == FREE and lex[1][1] in (jg.STRING, jg.KEY_STRING)
+
+
+def _item_node(node: tuple, count: int) -> int:
+    """An array node's item schema at position `count`: its prefixItems', then its items'."""
+    return node[4][count] if count < len(node[4]) else node[1]
+
+
 def _key_text(name: str) -> bytes:
     """A property's name as it is written between its quotes."""
     return json.dumps(name, ensure_ascii=False)[1:-1].encode()
@@ -337,7 +382,8 @@ def _complete(frames: tuple) -> Element:
     if not frames:
         return ((), (DONE, 0))
     kind, at, n = frames[-1]
-    return (frames[:-1], (OBJ, at, n, False, 0) if kind == "o" else (ARR, at, n + 1, 0))
+    after = {"o": (OBJ, at, n, False, 0), "d": (DICT, at, False, 0), "a": (ARR, at, n + 1, 0)}[kind]
+    return (frames[:-1], after)
 
 
 def _space(ws: int, b: int) -> int | None:

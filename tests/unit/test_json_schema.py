@@ -32,6 +32,8 @@ class Person(BaseModel):
     home: Address
     score: float = 0.5
     extra: dict = {}
+    scores: dict[str, int] = {}
+    pair: tuple[int, str] = (0, "")
     friends: list[Person] = []
 
 
@@ -40,6 +42,10 @@ ARRAYS = {"type": "object", "required": ["pair", "some"], "properties": {
     "pair": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
     "some": {"type": "array", "items": {"anyOf": [{"type": "boolean"}, {"type": "null"}, {"const": [1, {"a": 2}]}]}},
     "any": {}, "either": {"type": ["number", "string"]}}}
+DICTS = {"type": "object", "required": ["m", "t"], "properties": {
+    "m": {"type": "object", "additionalProperties": {"type": "integer"}},
+    "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+    "u": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "maxItems": 3}}}
 
 
 def accepts(machine: SchemaMachine, data: bytes) -> bool:
@@ -73,7 +79,10 @@ def valid(value, schema: dict, root: dict) -> bool:
             return False
         properties, required = schema.get("properties", {}), schema.get("required", [])
         if not properties:
-            return schema.get("additionalProperties") is not False or not value
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict) and extra:
+                return all(valid(v, extra, root) for v in value.values())
+            return extra is not False or not value
         order = list(properties)
         keys = list(value)
         if any(k not in properties for k in keys) or any(r not in value for r in required):
@@ -82,8 +91,11 @@ def valid(value, schema: dict, root: dict) -> bool:
             return False
         return all(valid(value[k], properties[k], root) for k in keys)
     if kind == "array":
-        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
-                and all(valid(v, schema.get("items", {}), root) for v in value))
+        prefix, items = schema.get("prefixItems", []), schema.get("items", {})
+        if not isinstance(value, list) or (items is False and len(value) > len(prefix)):
+            return False
+        return (schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
+                and all(valid(v, prefix[i] if i < len(prefix) else items, root) for i, v in enumerate(value)))
     checks = {"string": lambda v: isinstance(v, str), "integer": lambda v: type(v) is int,
               "number": lambda v: type(v) in (int, float), "boolean": lambda v: isinstance(v, bool),
               "null": lambda v: v is None}
@@ -98,6 +110,10 @@ def random_person(rng: random.Random, depth: int = 0) -> dict:
         person["score"] = rng.choice([0, -1.5, 2e-3])
     if rng.random() < 0.3:
         person["extra"] = {"any": [1, {"b": None}], "x": "y"}
+    if rng.random() < 0.5:
+        person["scores"] = {rng.choice(["a", "b c", 'd"']): rng.randrange(-9, 99) for _ in range(rng.randrange(3))}
+    if rng.random() < 0.5:
+        person["pair"] = [rng.randrange(10), rng.choice(["", "x"])]
     if depth < 2 and rng.random() < 0.4:
         person["friends"] = [random_person(rng, depth + 1) for _ in range(rng.randrange(1, 3))]
     return person
@@ -119,16 +135,25 @@ def test_instances_pydantic_writes_are_accepted_in_any_layout():
             assert accepts(machine, data), data
 
 
-@pytest.mark.parametrize("schema", [SCHEMA, ARRAYS], ids=["person", "arrays"])
-def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(schema):
+def samples(name: str, rng: random.Random) -> list:
+    if name == "person":
+        return [random_person(rng) for _ in range(50)]
+    if name == "arrays":
+        return [{"pair": [1, -2], "some": [True, None, [1, {"a": 2}]], "any": {"k": [1.5]}, "either": "s"},
+                {"pair": [0, 0], "some": [], "either": 3}, {"pair": [7, 8], "some": [False]}]
+    return [{"m": {"a": 1, "b": -20}, "t": [3, "x"], "u": [True, None]}, {"m": {}, "t": [0, ""]},
+            {"m": {"k": 5}, "t": [12, "ab"], "u": [False]}]
+
+
+@pytest.mark.parametrize("name", ["person", "arrays", "dicts"])
+def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(name):
+    schema = {"person": SCHEMA, "arrays": ARRAYS, "dicts": DICTS}[name]
     machine, rng = SchemaMachine(json.dumps(schema)), random.Random(1)
     alphabet = '{}[]:,"0123456789.-eatrufnlsidogkcmxyz'
-    samples = [random_person(rng) for _ in range(50)] if schema is SCHEMA else [
-        {"pair": [1, -2], "some": [True, None, [1, {"a": 2}]], "any": {"k": [1.5]}, "either": "s"},
-        {"pair": [0, 0], "some": [], "either": 3}, {"pair": [7, 8], "some": [False]}]
+    instances = samples(name, rng)
     agreed = {True: 0, False: 0}
     for _ in range(3000):
-        chars = list(json.dumps(rng.choice(samples), ensure_ascii=False, separators=(",", ":")))
+        chars = list(json.dumps(rng.choice(instances), ensure_ascii=False, separators=(",", ":")))
         for _ in range(rng.randrange(1, 3)):
             at = min(rng.randrange(len(chars) + 1), len(chars) - 1)
             op = rng.randrange(3)
@@ -162,6 +187,17 @@ def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(sch
 ])
 def test_arrays_unions_and_any_values(text, ok):
     assert accepts(SchemaMachine(json.dumps(ARRAYS)), text) == ok
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"m":{"a":1,"b c":-2},"t":[1,"x"]}', True), (b'{"m":{"a":"1"},"t":[1,"x"]}', False),
+    (b'{"m":{"a":1,},"t":[1,"x"]}', False), (b'{"m":{"a":1 "b":2},"t":[1,"x"]}', False),
+    (b'{"m":{},"t":[1,"x",2]}', False), (b'{"m":{},"t":["x",1]}', False), (b'{"m":{},"t":[1]}', True),
+    (b'{"m":{},"t":[1,"x"],"u":[true,null,null]}', True), (b'{"m":{},"t":[1,"x"],"u":[true,null,null,null]}', False),
+    (b'{"m":{},"t":[1,"x"],"u":[null]}', False), (b'{"m": {\n  "k": 1\n}, "t": [1, "x"]}', True),
+])
+def test_members_of_any_name_and_tuples(text, ok):
+    assert accepts(SchemaMachine(json.dumps(DICTS)), text) == ok
 
 
 @pytest.mark.parametrize(("schema", "message"), [
