@@ -143,7 +143,8 @@ class Chosen:
             for j, i in enumerate(self._rows):
                 n = self._params[i].logprobs or 0
                 # (a JSON row may allow fewer than n tokens: its banned ones, at -inf, are left out)
-                top = tuple((t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True) if v != -math.inf)
+                top = tuple((t, v) for t, v in zip(top_i[j][:n], top_v[j][:n], strict=True)
+                            if v != -math.inf) if n else ()
                 logprobs[i] = TokenLogprob(tokens[i], chosen[j], top)
         return SampleOutput(tokens, logprobs)
 
