@@ -9,17 +9,19 @@ row's state in its output stream, advances it by the tokens the row takes and en
 the machine is done (finish "stop"); the sampler sets the banned tokens' logits to -inf. So end
 of text and stop tokens are banned until the object closes, and only max_tokens can cut it short.
 
-The machine is RFC 8259 with three bounds of its own, each keeping a row from running on where a
+The machine is RFC 8259 with four bounds of its own, each keeping a row from running on where a
 model might loop: a top-level value must be an object (OpenAI's `json_object`), a run of
 whitespace is one space, or a newline and up to MAX_INDENT spaces or tabs (as llama.cpp's JSON
-grammar has it: no blank lines), and containers nest at most MAX_DEPTH deep. Strings are taken
+grammar has it: no blank lines), containers nest at most MAX_DEPTH deep, and a number has at most
+MAX_DIGITS digits before its point, after it and in its exponent (16, 16, 3). Strings are taken
 as bytes: control bytes and bad escapes are refused, UTF-8 is not checked (the text decodes with
 U+FFFD, which is still JSON).
 
 A state is (stack, mode, aux): `stack` the open containers as bytes (b"{[" is an array inside an
 object), `mode` one of the constants below, `aux` in modes that take whitespace its run so far
 (0 none, 1 a space, 2 + k a newline and k spaces or tabs), in HEX the hex digits left (×2, plus 1
-in a key), in LITERAL the literal and the position in it.
+in a key), in LITERAL the literal and the position in it, in a number the digits of its current
+part.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
 LITERALS = (b"true", b"false", b"null")
 NUMBER_ENDS = {N_ZERO, N_INT, N_FRAC, N_EXP}  # a number may end in these
+MAX_DIGITS = {N_INT: 16, N_FRAC: 16, N_EXP: 3}  # digits a part of a number may have (as llama.cpp's grammar)
 QUOTE, BACKSLASH, OPEN_OBJECT, OPEN_ARRAY = b'"'[0], b"\\"[0], b"{"[0], b"["[0]
 
 
@@ -89,7 +92,12 @@ def step(state: State, b: int) -> State | None:
         if b != text[at]:
             return None
         return (stack, LITERAL, aux + 1) if at + 1 < len(text) else _after_value(stack)
-    return _number(stack, mode, b)
+    after = number_step(mode, aux, b)
+    if after is not None:
+        return (stack, *after)
+    if mode in NUMBER_ENDS:  # the number ended: the byte is the next thing's
+        return step(_after_value(stack), b)
+    return None
 
 
 def advance(state: Any, data: bytes, machine: Machine | None = None) -> Any | None:
@@ -153,9 +161,9 @@ def _value(stack: bytes, b: int) -> State | None:
     if b == ord("-"):
         return (stack, N_MINUS, 0)
     if b == ord("0"):
-        return (stack, N_ZERO, 0)
+        return (stack, N_ZERO, 1)
     if b in DIGITS:
-        return (stack, N_INT, 0)
+        return (stack, N_INT, 1)
     for word, text in enumerate(LITERALS):
         if b == text[0]:
             return (stack, LITERAL, word * 8 + 1)
@@ -170,25 +178,24 @@ def _after_value(stack: bytes) -> State:
     return (stack, NEXT, 0) if stack else (stack, DONE, 0)
 
 
-def _number(stack: bytes, mode: int, b: int) -> State | None:
-    digit = b in DIGITS
-    if mode == N_MINUS:
-        return (stack, N_ZERO if b == ord("0") else N_INT, 0) if digit else None
-    if mode in (N_DOT, N_FRAC) and digit:
-        return (stack, N_FRAC, 0)
-    if mode in (N_E, N_ESIGN, N_EXP) and digit:
-        return (stack, N_EXP, 0)
-    if mode == N_INT and digit:
-        return (stack, N_INT, 0)
-    if mode in (N_ZERO, N_INT) and b == ord("."):
-        return (stack, N_DOT, 0)
-    if mode in (N_ZERO, N_INT, N_FRAC) and b in b"eE":
-        return (stack, N_E, 0)
-    if mode == N_E and b in b"+-":
-        return (stack, N_ESIGN, 0)
-    if mode in NUMBER_ENDS and not digit:  # the number ended: the byte is the next thing's
-        return step(_after_value(stack), b)
-    return None
+def number_step(mode: int, digits: int, b: int, integer: bool = False) -> tuple[int, int] | None:
+    """A number's (mode, digits of its current part so far) after one more byte of it, or None
+    when the byte does not go on the number (from NUMBER_ENDS it may end it). `integer`: no
+    fraction or exponent."""
+    if b in DIGITS:
+        after = {N_MINUS: N_ZERO if b == ord("0") else N_INT, N_INT: N_INT, N_DOT: N_FRAC, N_FRAC: N_FRAC,
+                 N_E: N_EXP, N_ESIGN: N_EXP, N_EXP: N_EXP}.get(mode)
+        if after is None:
+            return None
+        digits = digits + 1 if after == mode else 1
+        return (after, digits) if digits <= MAX_DIGITS.get(after, 1) else None
+    if integer:
+        return None
+    if b == ord(".") and mode in (N_ZERO, N_INT):
+        return (N_DOT, 0)
+    if b in b"eE" and mode in (N_ZERO, N_INT, N_FRAC):
+        return (N_E, 0)
+    return (N_ESIGN, 0) if b in b"+-" and mode == N_E else None
 
 
 class Machine(Protocol):

@@ -101,8 +101,8 @@ class SchemaMachine:
                 return [(frames, lex[:-1] + (esc,))]
             return [_complete(frames)] if tag == STR else [(frames, (DCOLON, lex[1], 0))]
         if tag == NUM:
-            mode = _number(lex[1], b, lex[2])
-            return [] if mode is None else self._closure((frames, (NUM, mode, lex[2])))
+            after = jg.number_step(lex[1], lex[3], b, lex[2])
+            return [] if after is None else self._closure((frames, (NUM, after[0], lex[2], after[1])))
         if tag == LIT:
             prefix = lex[2] + bytes((b,))
             if not any(c.startswith(prefix) for c in lex[1]):
@@ -185,8 +185,11 @@ class SchemaMachine:
         if kind == STRING:
             return [(frames, (STR, 0))] if b == jg.QUOTE else []
         if kind == NUMBER:
-            mode = {ord("-"): jg.N_MINUS, ord("0"): jg.N_ZERO}.get(b, jg.N_INT if b in jg.DIGITS else None)
-            return [] if mode is None else self._closure((frames, (NUM, mode, node[1])))
+            if b == ord("-"):
+                return [(frames, (NUM, jg.N_MINUS, node[1], 0))]
+            if b in jg.DIGITS:
+                return self._closure((frames, (NUM, jg.N_ZERO if b == ord("0") else jg.N_INT, node[1], 1)))
+            return []
         prefix = bytes((b,))  # LITERALS
         if not any(c.startswith(prefix) for c in node[1]):
             return []
@@ -390,20 +393,3 @@ def _space(ws: int, b: int) -> int | None:
     """json_grammar's whitespace rule on a run's aux."""
     state = jg._space(b"", jg.VALUE, ws, b)
     return None if state is None else state[2]
-
-
-def _number(mode: int, b: int, integer: bool) -> int | None:
-    """The number's mode after one more byte of it, or None (its end is _closure's)."""
-    digit = b in jg.DIGITS
-    if mode == jg.N_MINUS:
-        return (jg.N_ZERO if b == ord("0") else jg.N_INT) if digit else None
-    if digit:
-        return {jg.N_INT: jg.N_INT, jg.N_DOT: jg.N_FRAC, jg.N_FRAC: jg.N_FRAC, jg.N_E: jg.N_EXP,
-                jg.N_ESIGN: jg.N_EXP, jg.N_EXP: jg.N_EXP}.get(mode)
-    if integer:
-        return None
-    if b == ord(".") and mode in (jg.N_ZERO, jg.N_INT):
-        return jg.N_DOT
-    if b in b"eE" and mode in (jg.N_ZERO, jg.N_INT, jg.N_FRAC):
-        return jg.N_E
-    return jg.N_ESIGN if b in b"+-" and mode == jg.N_E else None

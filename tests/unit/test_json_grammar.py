@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,31 @@ def test_every_object_json_writes_is_accepted_and_every_prefix_goes_on():
             assert state is not None and state[1] != jg.DONE, data[: n + 1]
 
 
+NUMBER = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE][-+]?(\d+))?")
+
+
+def loads_within_bounds(text: str):
+    """json.loads, refusing (ValueError) what the machine's bounds refuse besides whitespace and
+    depth: NaN and Infinity, and numbers of more than 16, 16 and 3 digits in their parts."""
+
+    def number(kind: type):
+        def read(literal: str):
+            parts = NUMBER.fullmatch(literal).groups(default="")
+            if any(len(p) > limit for p, limit in zip(parts, (16, 16, 3), strict=True)):
+                raise ValueError(f"{literal}: too many digits")
+            return kind(literal)
+        return read
+
+    def constant(name: str):
+        raise ValueError(name)
+
+    return json.loads(text, parse_int=number(int), parse_float=number(float), parse_constant=constant)
+
+
 def test_edited_texts_are_accepted_exactly_when_json_reads_an_object():
     """Random edits of compact JSON (no whitespace: its bounds are tested below) against
-    json.loads, which also takes NaN and Infinity and any top-level value: those are refused."""
+    json.loads, which also takes NaN and Infinity, numbers of any length and any top-level value:
+    those are refused."""
     rng = random.Random(1)
     alphabet = '{}[]:,"\\0123456789.-+eEtruefalsnu/x\x01'
     checked = 0
@@ -74,7 +97,7 @@ def test_edited_texts_are_accepted_exactly_when_json_reads_an_object():
         if any(c in edited for c in " \n\t\r"):
             continue
         try:
-            expected = isinstance(json.loads(edited), dict) and "NaN" not in edited and "Infinity" not in edited
+            expected = isinstance(loads_within_bounds(edited), dict)
         except ValueError:
             expected = False
         assert accepts(edited.encode()) == expected, edited
@@ -94,6 +117,8 @@ def test_edited_texts_are_accepted_exactly_when_json_reads_an_object():
     (b'{"a": "\\u12e4\\/"}', True), (b'{"a": 01}', False), (b'{"a": 1.}', False), (b'{"a": -}', False),
     (b'{"a": 1e}', False), (b'{"a": -0.5E-07}', True), (b'{"a": [1}', False), (b'{"a": {]}', False),
     (b'{"a": NaN}', False), (b'{"a": nul}', False),
+    (b'{"a": 1234567890123456}', True), (b'{"a": 12345678901234567}', False), (b'{"a": 0.1234567890123456}', True),
+    (b'{"a": 0.12345678901234567}', False), (b'{"a": 1e308}', True), (b'{"a": 1E-3080}', False),
 ])
 def test_the_machines_own_bounds(text, ok):
     assert accepts(text) == ok
