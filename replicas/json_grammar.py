@@ -212,6 +212,9 @@ class Machine(Protocol):
     def done(self, state: Any) -> bool:
         """The text is whole: the row ends here."""
 
+    def free(self, state: Any) -> bool:
+        """Any text may follow: the constraint has let go of the row."""
+
 
 class ObjectMachine:
     """The machine above as a Machine: any JSON object (`json_object`)."""
@@ -226,6 +229,44 @@ class ObjectMachine:
 
     def done(self, state: State) -> bool:
         return state[1] == DONE
+
+    def free(self, state: State) -> bool:
+        return False
+
+
+TEXT = "text"  # an OrText machine's state once its text did not open an object
+
+
+class OrText:
+    """A machine's texts, or any text that does not open with "{" (tool_choice "auto": the model
+    calls a tool by opening a JSON object, or answers in text). A state is ("lead", whitespace so
+    far, at most MAX_INDENT), ("json", the machine's state) or TEXT."""
+
+    def __init__(self, machine: Machine):
+        self.machine = machine
+        self.start = ("lead", 0)
+
+    def step(self, state: Any, b: int) -> Any | None:
+        if state == TEXT:
+            return TEXT
+        if state[0] == "json":
+            inner = self.machine.step(state[1], b)
+            return None if inner is None else ("json", inner)
+        if b in WS:
+            return ("lead", state[1] + 1) if state[1] < MAX_INDENT else None
+        if b != OPEN_OBJECT:
+            return TEXT
+        inner = self.machine.step(self.machine.start, b)
+        return None if inner is None else ("json", inner)
+
+    def plain(self, state: Any) -> bool:
+        return state == TEXT or state[0] == "json" and self.machine.plain(state[1])
+
+    def done(self, state: Any) -> bool:
+        return state != TEXT and state[0] == "json" and self.machine.done(state[1])
+
+    def free(self, state: Any) -> bool:
+        return state == TEXT
 
 
 class Constraint:
@@ -245,6 +286,9 @@ class Constraint:
 
     def done(self, state: Any) -> bool:
         return self.machine.done(state)
+
+    def free(self, state: Any) -> bool:
+        return self.machine.free(state)
 
     def allowed(self, state: Any) -> list[int]:
         """The tokens whose bytes the machine takes from `state`."""
@@ -272,17 +316,18 @@ class JsonGrammar:
         self.device = torch.device(device)
         self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.trie = _Trie(self.token_bytes)
-        self._constraints: OrderedDict[str | None, Constraint] = OrderedDict()
+        self._constraints: OrderedDict[tuple[str | None, bool], Constraint] = OrderedDict()
 
-    def constraint(self, schema: str | None = None) -> Constraint:
+    def constraint(self, schema: str | None = None, or_text: bool = False) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises
-        SchemaError for one it cannot follow)."""
+        SchemaError for one it cannot follow). or_text: that, or text that does not open with "{"."""
         from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
 
         def make() -> Constraint:
-            return Constraint(ObjectMachine() if schema is None else SchemaMachine(schema), self)
+            machine = ObjectMachine() if schema is None else SchemaMachine(schema)
+            return Constraint(OrText(machine) if or_text else machine, self)
 
-        return _remembered(self._constraints, schema, make, MEMO_SCHEMAS)
+        return _remembered(self._constraints, (schema, or_text), make, MEMO_SCHEMAS)
 
 
 class _Trie:

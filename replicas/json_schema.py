@@ -83,6 +83,9 @@ class SchemaMachine:
     def done(self, state: frozenset) -> bool:
         return any(lex[0] == DONE for _, lex in state)
 
+    def free(self, state: frozenset) -> bool:
+        return False
+
     def _step(self, element: Element, b: int) -> list[Element]:
         frames, lex = element
         tag = lex[0]

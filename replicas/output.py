@@ -59,7 +59,9 @@ class OutputStream:
             return Step(text, "stop")
         if self.json is not None:
             self.json = self.constraint.advance(self.json, token)
-            if self.json is None or self.constraint.done(self.json):  # (None: a token the mask let through; never)
+            if self.json is not None and self.constraint.free(self.json):
+                self.json = None  # the reply is text (tool_choice "auto"): it goes on unconstrained
+            elif self.json is None or self.constraint.done(self.json):  # (None: a token the mask let through)
                 self.json = None
                 return Step(self.release(), "stop")
         if self.count >= self.params.max_tokens:

@@ -52,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n others
     json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
     json_schema: str | None = None  # JSON mode with a schema (its JSON text): an object it describes
+    json_or_text: bool = False  # JSON mode only if the output opens with "{", else text (a tool call, "auto")
 
     @property
     def json_mode(self) -> bool:

@@ -41,23 +41,27 @@ class ChatTemplate(BaseModel):
         return names[role]
 
 
-def render(messages: Sequence[ChatMessage], template: ChatTemplate, tools: Sequence[Tool] = ()) -> str:
+def render(messages: Sequence[ChatMessage], template: ChatTemplate, tools: Sequence[Tool] = (),
+           required: bool = True) -> str:
     """The prompt for a chat: every message as a turn, then the assistant's name to answer after.
-    `tools`, when the reply is to call one: a system turn saying which, before the first message
-    that is not a system message."""
+    `tools`, when the reply may call one: a system turn saying which (and, unless `required`,
+    that it may answer in text), before the first message that is not a system message."""
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     turns = [f"{template.role_name(m.role)}: {_clean(m.text())}" for m in messages]
     system = [m.role in ("system", "developer") for m in messages]
     if tools:
-        turns.insert(system.index(False) if False in system else len(turns), f"{template.system}: {_tools_text(tools)}")
+        turns.insert(system.index(False) if False in system else len(turns),
+                     f"{template.system}: {_tools_text(tools, required)}")
     if template.system_message and not any(system):
         turns.insert(0, f"{template.system}: {_clean(template.system_message)}")
     return "\n\n".join(turns) + f"\n\n{template.assistant}:"
 
 
-def _tools_text(tools: Sequence[Tool]) -> str:
-    lines = ['Answer by calling one of these tools, as a JSON object {"name": ..., "arguments": {...}}:']
+def _tools_text(tools: Sequence[Tool], required: bool) -> str:
+    call = 'a JSON object {"name": ..., "arguments": {...}}'
+    lines = [f"Answer by calling one of these tools, as {call}:" if required else
+             f"You may call one of these tools, answering with nothing but {call}; else answer in text:"]
     for tool in tools:
         f = tool.function
         parameters = json.dumps(f.parameters or {"type": "object"})

@@ -198,14 +198,16 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         body.refuse_unsupported()
-        prompt = await self._encode(chat.render(body.messages, self.config.chat, body.tools if body.calls_tool else ()))
+        tools = body.tools if body.calls_tool else ()
+        prompt = await self._encode(chat.render(body.messages, self.config.chat, tools, required=not body.tool_auto))
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           self.config.default_max_tokens)  # (0 is a 400, not the default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop = [] if body.json_mode else self.config.chat.stop  # (a JSON reply ends where its object closes)
         params = sampling_params_checked(body, max_tokens, stop, logprobs, self.model_config.vocab_size)
         requests, prompt_of = self._requests([prompt], body.n, params, body.init_state)
-        fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool)
+        fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,
+                         or_text=body.tool_auto)
         return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
 
     async def _respond(self, fmt: CompletionFormat | ChatFormat, requests: list[EngineRequest],

@@ -119,6 +119,11 @@ class _Sampling(BaseModel):
         return self.response_format is not None and self.response_format.type != "text"
 
     @property
+    def json_or_text(self) -> bool:
+        """The reply may be text instead (a chat's tool_choice "auto")."""
+        return False
+
+    @property
     def json_schema(self) -> str | None:
         """The schema's JSON text (its properties' order kept: it is the order they are written in)."""
         fmt = self.response_format
@@ -219,13 +224,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description='"required" or a named function: the reply is a call (JSON mode on the arguments\' '
-        'schema); "auto" is not supported (RWKV models have no tool-call format to choose one by)')
+        None, description='"auto" (the default with tools): a reply that opens with "{" is a call (JSON mode on '
+        'the tools\' schemas), any other is text; "required" or a named function: the reply is a call; "none": text')
 
     def refuse_unsupported(self) -> None:
-        if self.tools and self.tool_choice in (None, "auto"):
-            raise ApiError(400, 'tool_choice "auto" is not supported: a reply is a tool call when tool_choice is '
-                           '"required" or names a function, else text ("none")', param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self._tools():
             raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which tools does not",
                            param="tool_choice")
@@ -236,12 +238,21 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def calls_tool(self) -> bool:
-        """The reply is a tool call: tools given, and tool_choice "required" or a named function."""
-        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+        """The reply is, or may be, a tool call: tools given, tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_auto(self) -> bool:
+        """The reply may be a tool call or text (tool_choice "auto", the default with tools)."""
+        return self.calls_tool and self.tool_choice in (None, "auto")
 
     @property
     def json_mode(self) -> bool:
-        return self.calls_tool or super().json_mode
+        return (self.calls_tool and not self.tool_auto) or super().json_mode
+
+    @property
+    def json_or_text(self) -> bool:
+        return self.tool_auto
 
     @property
     def json_schema(self) -> str | None:
@@ -474,6 +485,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         logprobs=logprobs,
         json_object=req.json_object,
         json_schema=req.json_schema,
+        json_or_text=req.json_or_text,
     )
 
 

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
@@ -151,14 +151,17 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     """/v1/chat/completions: `chat.completion` objects, or `chat.completion.chunk`s with role deltas first."""
 
-    def __init__(self, model: str, count: int, logprobs: bool, tool_call: bool = False):
+    def __init__(self, model: str, count: int, logprobs: bool, tool_call: bool = False, or_text: bool = False):
         """tool_call: each choice's text is a tool call's JSON ({"name", "arguments"}), given as
-        `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends)."""
+        `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends); with
+        or_text, a choice whose text does not open with "{" is text, streamed as it comes."""
         super().__init__("chatcmpl", model, count)
         self.logprobs = logprobs
         self.tool_call = tool_call
+        self.or_text = or_text
         self._lead = [LeadingSpace() for _ in range(count)]
         self._held = [""] * count  # a tool call's text until its choice ends
+        self._text = [not tool_call] * count  # the choice streams as text
 
     def body(self, outcomes: Sequence[Outcome], usage: Usage) -> ChatCompletion:
         choices = []
@@ -175,7 +178,7 @@ class ChatFormat(_Format):
                 for i in range(self.count)]
 
     def chunk(self, index: int, chunk: Chunk) -> ChatCompletionChunk | None:
-        if self.tool_call:
+        if not self._text[index]:
             return self._tool_chunk(index, chunk)
         text = self._lead[index].strip(chunk.text)
         if not (text or chunk.logprobs or chunk.finish_reason):
@@ -189,6 +192,10 @@ class ChatFormat(_Format):
         """A tool call's text is held until its choice ends, then sent as the call (or as text,
         where max_tokens or a stop string cut it short)."""
         self._held[index] += chunk.text
+        opened = self._held[index].lstrip()
+        if self.or_text and opened and not opened.startswith("{"):  # text after all: it streams from here
+            self._text[index] = True
+            return self.chunk(index, replace(chunk, text=self._held[index]))
         if not chunk.finish_reason:
             if not chunk.logprobs:
                 return None

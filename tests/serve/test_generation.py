@@ -108,6 +108,8 @@ def test_chat_renders_tools_their_results_and_earlier_calls():
         "User: Rain in Oslo?\n\n"
         'Assistant: {"name": "get_weather", "arguments": {"city": "Oslo"}}\n\n'
         "Tool: rain\n\nAssistant:")
+    assert "System: You may call one of these tools, answering with nothing but a JSON object" in render(
+        messages, ChatTemplate(), tools, required=False)
 
 
 def test_n_and_prompt_lists_give_one_choice_each(client):
@@ -287,9 +289,9 @@ TOOLS = [
 
 def test_tool_calls_over_http(client):
     """tool_choice "required" or a named function: the reply is a call to one of the tools with
-    arguments its schema describes (finish_reason "tool_calls"), whole or streamed; "auto" and
-    calls that cannot be made are 400s. (The tools' arguments here leave a bounded choice of texts:
-    any model's call closes within max_tokens.)"""
+    arguments its schema describes (finish_reason "tool_calls"), whole or streamed; calls that
+    cannot be made are 400s. (The tools' arguments here leave a bounded choice of texts: any
+    model's call closes within max_tokens.)"""
     import json
 
     messages = [{"role": "user", "content": "Lights on, please."}]
@@ -319,11 +321,36 @@ def test_tool_calls_over_http(client):
     response = client.post("/v1/chat/completions", json={"messages": after, "tools": TOOLS, "tool_choice": "none",
                                                           "max_tokens": 4})
     assert response.status_code == 200 and "tool_calls" not in response.json()["choices"][0]["message"]
-    for extra, param in [({}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
-                         ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+    for extra, param in [({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
                          ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
                          ({"tool_choice": "required", "tools": [{"type": "function", "function": {
                              "name": "x", "parameters": {"type": "object", "properties": {"a": {"type": "blob"}}}}}]},
                           "tools")]:
         response = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_tool_choice_auto_is_a_call_when_the_reply_opens_an_object(client, tokenizer):
+    """tool_choice "auto" (the default with tools): a reply that opens with "{" is held to the
+    tools' schemas and comes back as a call; any other reply is text, streamed as it comes, with
+    chat's own stop strings. Which one the model opens with is steered here by a logit bias."""
+    import json
+
+    messages = [{"role": "user", "content": "Lights on, please."}]
+    brace, word = tokenizer.encode("{")[0], tokenizer.encode("Sure")[0]
+    call = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 200,
+                                                      "seed": 8, "logit_bias": {str(brace): 100}}).json()
+    choice = call["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"]["name"] in ("set_light", "paint")
+    assert isinstance(json.loads(made["function"]["arguments"]), dict)
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 12, "seed": 8,
+            "logit_bias": {str(word): 100}}
+    text = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert text["finish_reason"] in ("stop", "length") and text["message"]["content"].startswith("Sure")
+    assert "tool_calls" not in text["message"]
+    events = stream(client, "/v1/chat/completions", **body)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert streamed == text["message"]["content"]
+    assert sum(bool(e["choices"] and e["choices"][0]["delta"].get("content")) for e in events) >= 1

@@ -168,3 +168,21 @@ def test_a_token_advances_the_state_by_its_bytes(world):
         assert state is not None
     assert state[1] == jg.DONE
     assert objects.advance(START_STATE, 0) is None  # end of text stands for no bytes
+
+
+def test_or_text_takes_an_object_or_any_text_that_does_not_open_one(world):
+    """tool_choice "auto": a reply that opens with "{" is held to the machine; any other is text,
+    which frees the row (no more masks, end of text allowed)."""
+    tokenizer, _ = world
+    either = JsonGrammar(tokenizer).constraint(or_text=True)
+    machine = either.machine
+    for text, free, done in [(b"Hello {", True, False), (b'  {"a": 1}', False, True), (b"\n{", False, False),
+                             (b"x", True, False), (b" " * 20, False, False)]:
+        state = advance(machine.start, text, machine)
+        assert state is not None and machine.free(state) == free and machine.done(state) == done, text
+    for text in [b"{]", b'{"a" 1', b" " * 21 + b"x", b"\n\n{x"]:
+        assert advance(machine.start, text, machine) is None, text
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    start = set(either.allowed(machine.start))
+    assert start == {t for t, data in every if data and advance(machine.start, data, machine) is not None}
+    assert 0 not in start and tokenizer.encode("Hello")[0] in start
