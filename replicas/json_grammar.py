@@ -334,7 +334,7 @@ class _Trie:
     """The tokens' bytes as a trie, walked with a machine: a byte the machine refuses prunes
     every token below it. Inside a string, a node below which every byte is plain string text
     (not a quote, a backslash or a control byte) leaves the state as it is, so all its tokens
-    are taken at once without walking them."""
+    are taken at once without walking them; so are all the tokens below a free state."""
 
     def __init__(self, tokens: list[bytes]):
         self.children: list[dict[int, int]] = [{}]
@@ -382,7 +382,7 @@ class _Trie:
                 nxt = machine.step(at, b)
                 if nxt is None:
                     continue
-                if self.plain[child] and machine.plain(nxt):
+                if (self.plain[child] and machine.plain(nxt)) or machine.free(nxt):
                     allowed.extend(self.order[self.first[child]:self.last[child]])
                     continue
                 if self.token[child] >= 0:
