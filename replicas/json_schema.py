@@ -29,6 +29,7 @@ in the current thing the text is (the tags below).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -51,6 +52,17 @@ Element = tuple[tuple, tuple]
 
 class SchemaError(ValueError):
     """A schema this module cannot follow; the message is for the client."""
+
+
+@functools.lru_cache(maxsize=64)
+def schema_error(schema_text: str) -> str | None:
+    """Why a schema cannot be followed, or None (remembered: the ingress, the replica and each
+    choice of a request check the same text)."""
+    try:
+        SchemaMachine(schema_text)
+    except SchemaError as err:
+        return str(err)
+    return None
 
 
 class SchemaMachine:

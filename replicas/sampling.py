@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .json_grammar import unpack
-from .json_schema import SchemaError, SchemaMachine
+from .json_schema import schema_error
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -88,11 +88,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
-        if self.json_schema is not None:
-            try:
-                SchemaMachine(self.json_schema)
-            except SchemaError as err:
-                raise InvalidRequest(f"json_schema: {err}") from None
+        if self.json_schema is not None and (error := schema_error(self.json_schema)):
+            raise InvalidRequest(f"json_schema: {error}")
 
 
 @dataclass(frozen=True)

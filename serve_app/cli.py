@@ -83,15 +83,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _read_schema(path: str) -> str:
-    from replicas.json_schema import SchemaError, SchemaMachine
+    from replicas.json_schema import schema_error
 
     try:
         text = Path(path).read_text()
-        SchemaMachine(text)
     except OSError as err:
         raise CliError(f"--schema {path}: {err.strerror}") from None
-    except SchemaError as err:
-        raise CliError(f"--schema {path}: {err}") from None
+    if error := schema_error(text):
+        raise CliError(f"--schema {path}: {error}")
     return text
 
 

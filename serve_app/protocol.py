@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from replicas.json_schema import SchemaError, SchemaMachine
+from replicas.json_schema import schema_error
 from replicas.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16  # prompts × n in one request
@@ -133,11 +133,8 @@ class _Sampling(BaseModel):
             raise ApiError(400, "response_format.json_schema is required with type json_schema",
                            param="response_format.json_schema")
         text = json.dumps(fmt.json_schema.schema_)
-        try:
-            SchemaMachine(text)  # (the engine reads it again: this is for the 400's param)
-        except SchemaError as err:
-            param = "response_format.json_schema.schema"
-            raise ApiError(400, f"response_format.json_schema.{err}", param=param) from None
+        if error := schema_error(text):  # (the engine checks it too: here for the 400's param)
+            raise ApiError(400, f"response_format.json_schema.{error}", param="response_format.json_schema.schema")
         return text
 
 
@@ -267,10 +264,8 @@ class ChatCompletionRequest(_Sampling):
                   "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}}}
                  for name, parameters in tools.items()]
         text = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
-        try:
-            SchemaMachine(text)
-        except SchemaError as err:
-            raise ApiError(400, f"tools: the arguments' schemas: {err}", param="tools") from None
+        if error := schema_error(text):
+            raise ApiError(400, f"tools: the arguments' schemas: {error}", param="tools")
         return text
 
     def _tools(self) -> dict[str, dict[str, Any] | None]:
