@@ -468,6 +468,7 @@ class Engine:
             self._rows[row.uid] = row
             self._waiting.append(row)
             self.stats["submitted"] += 1
+            self.stats["json_mode_requests"] += row.output.constraint is not None
         elif kind == "cancel" and command[1] in self._rows:
             self._rows[command[1]].cancelled = True
         elif kind == "call":
@@ -772,7 +773,7 @@ class Engine:
             },
             "waiting": len(self._waiting),
             "running": len(self._rows) - len(self._waiting),
-            "counters": dict(self.stats),
+            "counters": {**self.stats, **(self._json.stats if self._json is not None else {})},
             "cache": self.cache.metrics.as_dict(),
             "init_states": sorted(self.init_states),
         }

@@ -26,7 +26,8 @@ part.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
@@ -301,9 +302,13 @@ class Constraint:
         return _remembered(self._banned, state, lambda: self._make_banned(state), MEMO_STATES)
 
     def _make_banned(self, state: Any) -> Tensor:
+        started = time.perf_counter()
         banned = np.ones(self._grammar.vocab_size, dtype=bool)
         banned[self.allowed(state)] = False
-        return torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
+        bits = torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
+        self._grammar.stats["json_masks_made"] += 1
+        self._grammar.stats["json_mask_us"] += int(1e6 * (time.perf_counter() - started))
+        return bits
 
 
 class JsonGrammar:
@@ -317,6 +322,7 @@ class JsonGrammar:
         self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.trie = _Trie(self.token_bytes)
         self._constraints: OrderedDict[tuple[str | None, bool], Constraint] = OrderedDict()
+        self.stats: Counter[str] = Counter()  # masks made, and the time that took (the engine's counters show them)
 
     def constraint(self, schema: str | None = None, or_text: bool = False) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises

@@ -714,7 +714,10 @@ def test_json_mode_rows_write_json_beside_rows_that_do_not(parts, alone):
         assert biased_result.finished.reason == "stop" and biased_result.text == "{}"
         for (result, _), prompt in zip(results[7:], PROMPTS[:2], strict=True):
             assert result.tokens == alone[prompt]
-        settle(engine)
+        counters = settle(engine)["counters"]
+        assert counters["json_mode_requests"] == 7 and counters["submitted"] == 9
+        assert 0 < counters["json_masks_made"] <= sum(len(r.tokens) for r, _ in results[:7])
+        assert counters["json_mask_us"] > 0
     finally:
         engine.stop()
 
