@@ -2,11 +2,10 @@
 
 1. The constraints alone, for the World vocabulary (65,536 tokens) and the demo model's (4,096):
    the grammar's build (the tokens' trie), then for each kind of constraint (any object; a schema
-   pydantic writes for a model with nested objects, a list, an enum, a dict and an optional
-   field; tool_choice "auto" over two tools) random texts it allows, drawn a token at a time
-   uniformly among the allowed ones (a random model's worst case: more states than a trained
-   model's), up to 200 tokens each: masks made and their cost, and the cost of advancing a state
-   by a token.
+   pydantic writes for a model with a list of nested objects, a dict and an optional field;
+   tool_choice "auto" over two tools) random texts it allows, drawn a token at a time uniformly
+   among the allowed ones (a random model's worst case: more states than a trained model's), up
+   to 200 tokens each: masks made and their cost, and the cost of advancing a state by a token.
 2. The engine on the CPU with the demo model (no Ray), in a steady state (bench/engine_cpu.py's:
    8 requests always in flight, each replaced as it ends), without JSON mode and in each kind:
    generated and prompt tokens/s. A burst would mislead here: its JSON rows end where their
@@ -42,18 +41,18 @@ from replicas.sampling import SamplingParams  # noqa: E402
 from replicas.tokenizer import load_tokenizer  # noqa: E402
 
 
-class Address(BaseModel):
-    street: str
-    zip: int | None = None
+class Line(BaseModel):
+    sku: str
+    quantity: int
 
 
-class Person(BaseModel):
-    name: str
-    age: int
-    kind: str = "cat"
-    tags: list[str]
-    home: Address
-    scores: dict[str, float] = {}
+class Order(BaseModel):
+    id: int
+    customer: str
+    lines: list[Line]
+    paid: bool
+    note: str | None = None
+    prices: dict[str, float] = {}
 
 
 TOOLS = {"anyOf": [
@@ -64,7 +63,7 @@ TOOLS = {"anyOf": [
 ]}
 KINDS = {  # label -> SamplingParams fields
     "any object": {"json_object": True},
-    "a schema (pydantic)": {"json_schema": json.dumps(Person.model_json_schema())},
+    "a schema (pydantic)": {"json_schema": json.dumps(Order.model_json_schema())},
     'tool_choice "auto"': {"json_schema": json.dumps(TOOLS), "json_or_text": True},
 }
 
