@@ -111,12 +111,6 @@ def advance(state: Any, data: bytes, machine: Machine | None = None) -> Any | No
     return state
 
 
-def accepts(data: bytes) -> bool:
-    """Whether `data` is one whole JSON object as this machine reads it (its bounds included)."""
-    state = advance(START_STATE, data)
-    return state is not None and state[1] == DONE
-
-
 def _space(stack: bytes, mode: int, aux: int, b: int) -> State | None:
     if aux == 0:
         return (stack, mode, 1 if b == ord(" ") else 2) if b in b" \n" else None

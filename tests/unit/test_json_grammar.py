@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from replicas import json_grammar as jg
-from replicas.json_grammar import START_STATE, JsonGrammar, accepts, advance, unpack
+from replicas.json_grammar import START_STATE, JsonGrammar, Machine, ObjectMachine, advance, unpack
 from replicas.tokenizer import load_tokenizer
 
 WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
+
+
+def accepts(data: bytes, machine: Machine | None = None) -> bool:
+    """Whether `data` is one whole text of a machine (any JSON object's by default), its bounds included."""
+    machine = machine or ObjectMachine()
+    state = advance(machine.start, data, machine)
+    return state is not None and machine.done(state)
 
 
 def random_value(rng: random.Random, depth: int = 0):

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from replicas.json_grammar import JsonGrammar, advance
 from replicas.json_schema import SchemaError, SchemaMachine
 from replicas.tokenizer import load_tokenizer
-from tests.unit.test_json_grammar import loads_within_bounds
+from tests.unit.test_json_grammar import accepts, loads_within_bounds
 
 WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
 
@@ -47,11 +47,6 @@ DICTS = {"type": "object", "required": ["m", "t"], "properties": {
     "m": {"type": "object", "additionalProperties": {"type": "integer"}},
     "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
     "u": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "maxItems": 3}}}
-
-
-def accepts(machine: SchemaMachine, data: bytes) -> bool:
-    state = advance(machine.start, data, machine)
-    return state is not None and machine.done(state)
 
 
 def valid(value, schema: dict, root: dict) -> bool:
@@ -131,9 +126,9 @@ def test_instances_pydantic_writes_are_accepted_in_any_layout():
     for _ in range(100):
         person = random_person(rng)
         assert valid(person, SCHEMA, SCHEMA)
-        assert accepts(machine, Person.model_validate(person).model_dump_json().encode())
+        assert accepts(Person.model_validate(person).model_dump_json().encode(), machine)
         for data in layouts(person, rng):
-            assert accepts(machine, data), data
+            assert accepts(data, machine), data
 
 
 def samples(name: str, rng: random.Random) -> list:
@@ -169,7 +164,7 @@ def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(nam
             expected = valid(loads_within_bounds(edited), schema, schema)
         except (ValueError, RecursionError):
             expected = False
-        assert accepts(machine, edited.encode()) == expected, edited
+        assert accepts(edited.encode(), machine) == expected, edited
         agreed[expected] += 1
     assert min(agreed.values()) > 50, agreed  # both kinds were met
 
@@ -187,7 +182,7 @@ def test_edited_instances_are_accepted_exactly_when_the_reference_takes_them(nam
     (b'{"pair":[1,2],"pair":[1,2],"some":[]}', False), (b'{"pair":[1,2],"some":[],"other":1}', False),
 ])
 def test_arrays_unions_and_any_values(text, ok):
-    assert accepts(SchemaMachine(json.dumps(ARRAYS)), text) == ok
+    assert accepts(text, SchemaMachine(json.dumps(ARRAYS))) == ok
 
 
 @pytest.mark.parametrize(("text", "ok"), [
@@ -198,7 +193,7 @@ def test_arrays_unions_and_any_values(text, ok):
     (b'{"m":{},"t":[1,"x"],"u":[null]}', False), (b'{"m": {\n  "k": 1\n}, "t": [1, "x"]}', True),
 ])
 def test_members_of_any_name_and_tuples(text, ok):
-    assert accepts(SchemaMachine(json.dumps(DICTS)), text) == ok
+    assert accepts(text, SchemaMachine(json.dumps(DICTS))) == ok
 
 
 @pytest.mark.parametrize(("schema", "message"), [
