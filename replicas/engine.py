@@ -671,7 +671,7 @@ class Engine:
         with self._lock:
             if self._json is None:
                 self._json = JsonGrammar(self.tokenizer, self.runner.device)
-            return self._json.constraint(params.json_schema, params.json_or_text)
+            return self._json.constraint(params.json_schema, params.json_or_text, params.json_texts)
 
     def _logits_of(self, rows: list[_Row]) -> Tensor:
         """The rows' logits as one tensor: the last decode call's as they came when the rows are

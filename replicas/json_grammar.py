@@ -61,7 +61,7 @@ SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
 LITERALS = (b"true", b"false", b"null")
 NUMBER_ENDS = {N_ZERO, N_INT, N_FRAC, N_EXP}  # a number may end in these
 MAX_DIGITS = {N_INT: 16, N_FRAC: 16, N_EXP: 3}  # digits a part of a number may have (as llama.cpp's grammar)
-QUOTE, BACKSLASH, OPEN_OBJECT, OPEN_ARRAY = b'"'[0], b"\\"[0], b"{"[0], b"["[0]
+QUOTE, BACKSLASH, OPEN_OBJECT, OPEN_ARRAY, NEWLINE = b'"'[0], b"\\"[0], b"{"[0], b"["[0], b"\n"[0]
 
 
 def step(state: State, b: int) -> State | None:
@@ -264,6 +264,45 @@ class OrText:
         return state == TEXT
 
 
+END = "end"  # a Several machine's state once its reply ended at a blank line
+
+
+class Several:
+    """Up to `most` of a machine's texts, each after a newline of its own, the reply ending at a
+    blank line after fewer (parallel tool calls: one call a line, and a chat turn ends at a blank
+    line). A state is ("in", texts closed, the machine's state), ("after", texts closed: a newline
+    comes next), ("line", texts closed: after it, another text opens with "{" or a second newline
+    ends the reply) or END. The `most`-th text's close is done, as one text's is."""
+
+    def __init__(self, machine: Machine, most: int):
+        self.machine, self.most = machine, most
+        self.start = ("in", 0, machine.start)
+
+    def step(self, state: Any, b: int) -> Any | None:
+        if state == END:
+            return None
+        if state[0] == "in":
+            inner = self.machine.step(state[2], b)
+            if inner is None or not self.machine.done(inner):
+                return None if inner is None else ("in", state[1], inner)
+            return END if state[1] + 1 == self.most else ("after", state[1] + 1)
+        if state[0] == "after":
+            return ("line", state[1]) if b == NEWLINE else None
+        if b == NEWLINE:
+            return END
+        inner = self.machine.step(self.machine.start, b) if b == OPEN_OBJECT else None
+        return None if inner is None else ("in", state[1], inner)
+
+    def plain(self, state: Any) -> bool:
+        return state != END and state[0] == "in" and self.machine.plain(state[2])
+
+    def done(self, state: Any) -> bool:
+        return state == END
+
+    def free(self, state: Any) -> bool:
+        return False
+
+
 class Constraint:
     """A machine over a tokenizer's tokens: a state advanced by a token, and the tokens banned in
     a state (made on first need, memoised). Not thread-safe: the engine's thread alone uses it."""
@@ -315,19 +354,22 @@ class JsonGrammar:
         self.device = torch.device(device)
         self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.trie = _Trie(self.token_bytes)
-        self._constraints: OrderedDict[tuple[str | None, bool], Constraint] = OrderedDict()
+        self._constraints: OrderedDict[tuple[str | None, bool, int], Constraint] = OrderedDict()
         self.stats: Counter[str] = Counter()  # masks made, and the time that took (the engine's counters show them)
 
-    def constraint(self, schema: str | None = None, or_text: bool = False) -> Constraint:
+    def constraint(self, schema: str | None = None, or_text: bool = False, most: int = 1) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises
-        SchemaError for one it cannot follow). or_text: that, or text that does not open with "{"."""
+        SchemaError for one it cannot follow). most > 1: up to that many, a line each (Several).
+        or_text: that, or text that does not open with "{"."""
         from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
 
         def make() -> Constraint:
-            machine = ObjectMachine() if schema is None else SchemaMachine(schema)
+            machine: Machine = ObjectMachine() if schema is None else SchemaMachine(schema)
+            if most > 1:
+                machine = Several(machine, most)
             return Constraint(OrText(machine) if or_text else machine, self)
 
-        return _remembered(self._constraints, (schema, or_text), make, MEMO_SCHEMAS)
+        return _remembered(self._constraints, (schema, or_text, most), make, MEMO_SCHEMAS)
 
 
 class _Trie:

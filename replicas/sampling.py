@@ -29,6 +29,7 @@ from .json_schema import schema_error
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_JSON_TEXTS = 8  # JSON texts one reply may hold (parallel tool calls)
 
 
 class InvalidRequest(ValueError):
@@ -53,6 +54,7 @@ class SamplingParams:
     json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
     json_schema: str | None = None  # JSON mode with a schema (its JSON text): an object it describes
     json_or_text: bool = False  # JSON mode only if the output opens with "{", else text (a tool call, "auto")
+    json_texts: int = 1  # JSON mode: up to this many texts, a line each, a blank line ending fewer (parallel calls)
 
     @property
     def json_mode(self) -> bool:
@@ -84,6 +86,7 @@ class SamplingParams:
             (all(0 <= int(t) < vocab_size for t in self.logit_bias), "logit_bias names a token out of vocabulary"),
             (all(-100.0 <= float(b) <= 100.0 for b in self.logit_bias.values()),
              "logit_bias values must be between -100 and 100"),
+            (1 <= self.json_texts <= MAX_JSON_TEXTS, f"json_texts must be between 1 and {MAX_JSON_TEXTS}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
 
-from .protocol import ApiError, ChatMessage, Tool
+from .protocol import ApiError, ChatMessage, ChatTools, Tool
 
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
@@ -41,25 +41,32 @@ class ChatTemplate(BaseModel):
         return names[role]
 
 
+def render_request(chat: ChatTools, template: ChatTemplate) -> str:
+    """A chat request's prompt: its messages, and its tools when the reply may call them."""
+    tools = chat.tools if chat.calls_tool else ()
+    return render(chat.messages or [], template, tools, required=not chat.tool_auto, several=chat.parallel_calls)
+
+
 def render(messages: Sequence[ChatMessage], template: ChatTemplate, tools: Sequence[Tool] = (),
-           required: bool = True) -> str:
+           required: bool = True, several: bool = False) -> str:
     """The prompt for a chat: every message as a turn, then the assistant's name to answer after.
     `tools`, when the reply may call one: a system turn saying which (and, unless `required`,
-    that it may answer in text), before the first message that is not a system message."""
+    that it may answer in text; with `several`, that several calls go a line each), before the
+    first message that is not a system message."""
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     turns = [f"{template.role_name(m.role)}: {_clean(m.text())}" for m in messages]
     system = [m.role in ("system", "developer") for m in messages]
     if tools:
         turns.insert(system.index(False) if False in system else len(turns),
-                     f"{template.system}: {_tools_text(tools, required)}")
+                     f"{template.system}: {_tools_text(tools, required, several)}")
     if template.system_message and not any(system):
         turns.insert(0, f"{template.system}: {_clean(template.system_message)}")
     return "\n\n".join(turns) + f"\n\n{template.assistant}:"
 
 
-def _tools_text(tools: Sequence[Tool], required: bool) -> str:
-    call = 'a JSON object {"name": ..., "arguments": {...}}'
+def _tools_text(tools: Sequence[Tool], required: bool, several: bool) -> str:
+    call = 'a JSON object {"name": ..., "arguments": {...}}' + (" (several calls: one a line)" if several else "")
     lines = [f"Answer by calling one of these tools, as {call}:" if required else
              f"You may call one of these tools, answering with nothing but {call}; else answer in text:"]
     for tool in tools:

@@ -198,8 +198,7 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         body.refuse_unsupported()
-        tools = body.tools if body.calls_tool else ()
-        prompt = await self._encode(chat.render(body.messages, self.config.chat, tools, required=not body.tool_auto))
+        prompt = await self._encode(chat.render_request(body, self.config.chat))
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           self.config.default_max_tokens)  # (0 is a 400, not the default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -279,7 +278,7 @@ class Ingress:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
-        text = body.prompt if body.messages is None else chat.render(body.messages, self.config.chat)
+        text = body.prompt if body.messages is None else chat.render_request(body, self.config.chat)
         tokens = await self._encode(text)
         return Tokenized(count=len(tokens), tokens=tokens)
 

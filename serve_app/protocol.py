@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_serializer
 
 from replicas.json_schema import schema_error
-from replicas.sampling import MAX_LOGPROBS, SamplingParams
+from replicas.sampling import MAX_JSON_TEXTS, MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 16  # prompts × n in one request
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
@@ -124,6 +124,11 @@ class _Sampling(BaseModel):
         return False
 
     @property
+    def json_texts(self) -> int:
+        """JSON texts the reply may hold (a chat's parallel tool calls: one a line)."""
+        return 1
+
+    @property
     def json_schema(self) -> str | None:
         """The schema's JSON text (its properties' order kept: it is the order they are written in)."""
         fmt = self.response_format
@@ -213,25 +218,16 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatTools(BaseModel):
+    """A chat's messages and tools: what its prompt is rendered from (chat.render_request)."""
+
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"auto" (the default with tools): a reply that opens with "{" is a call (JSON mode on '
         'the tools\' schemas), any other is text; "required" or a named function: the reply is a call; "none": text')
-
-    def refuse_unsupported(self) -> None:
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self._tools():
-            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which tools does not",
-                           param="tool_choice")
-        if self.calls_tool and self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, "response_format and a tool call cannot be asked together", param="response_format")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    parallel_tool_calls: bool | None = Field(
+        None, description=f"true (the default): a reply may make up to {MAX_JSON_TEXTS} calls, one a line; false: one")
 
     @property
     def calls_tool(self) -> bool:
@@ -244,12 +240,40 @@ class ChatCompletionRequest(_Sampling):
         return self.calls_tool and self.tool_choice in (None, "auto")
 
     @property
+    def parallel_calls(self) -> bool:
+        """The reply may make several calls."""
+        return self.calls_tool and self.parallel_tool_calls is not False
+
+    def _tools(self) -> dict[str, dict[str, Any] | None]:
+        return {t.function.name: t.function.parameters for t in self.tools or ()}
+
+
+class ChatCompletionRequest(_Sampling, ChatTools):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def refuse_unsupported(self) -> None:
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self._tools():
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which tools does not",
+                           param="tool_choice")
+        if self.calls_tool and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "response_format and a tool call cannot be asked together", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
     def json_mode(self) -> bool:
         return (self.calls_tool and not self.tool_auto) or super().json_mode
 
     @property
     def json_or_text(self) -> bool:
         return self.tool_auto
+
+    @property
+    def json_texts(self) -> int:
+        return MAX_JSON_TEXTS if self.parallel_calls else 1
 
     @property
     def json_schema(self) -> str | None:
@@ -268,9 +292,6 @@ class ChatCompletionRequest(_Sampling):
             raise ApiError(400, f"tools: the arguments' schemas: {error}", param="tools")
         return text
 
-    def _tools(self) -> dict[str, dict[str, Any] | None]:
-        return {t.function.name: t.function.parameters for t in self.tools or ()}
-
 
 class StateFromFile(BaseModel):
     """JSON body of POST /v1/states: load a file from the configured states directory."""
@@ -280,12 +301,12 @@ class StateFromFile(BaseModel):
     default: bool = Field(False, description="requests that name no init state start from this one")
 
 
-class TokenizeRequest(BaseModel):
-    """POST /tokenize: a prompt, or chat messages as the chat template renders them for a reply."""
+class TokenizeRequest(ChatTools):
+    """POST /tokenize: a prompt, or chat messages (and tools) as the chat template renders them for a reply."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment] (a prompt instead)
 
 
 class DetokenizeRequest(BaseModel):
@@ -481,6 +502,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         json_object=req.json_object,
         json_schema=req.json_schema,
         json_or_text=req.json_or_text,
+        json_texts=req.json_texts,
     )
 
 

@@ -152,8 +152,8 @@ class ChatFormat(_Format):
     """/v1/chat/completions: `chat.completion` objects, or `chat.completion.chunk`s with role deltas first."""
 
     def __init__(self, model: str, count: int, logprobs: bool, tool_call: bool = False, or_text: bool = False):
-        """tool_call: each choice's text is a tool call's JSON ({"name", "arguments"}), given as
-        `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends); with
+        """tool_call: each choice's text is tool calls' JSON ({"name", "arguments"}, a line each),
+        given as `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends); with
         or_text, a choice whose text does not open with "{" is text, streamed as it comes."""
         super().__init__("chatcmpl", model, count)
         self.logprobs = logprobs
@@ -166,11 +166,12 @@ class ChatFormat(_Format):
     def body(self, outcomes: Sequence[Outcome], usage: Usage) -> ChatCompletion:
         choices = []
         for i, o in enumerate(outcomes):
-            call = self._call(o.text, o.finish_reason)
-            message = (AssistantMessage(content=o.text.lstrip()) if call is None
-                       else AssistantMessage(tool_calls=[call]))
-            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if call else o.finish_reason,
-                                      logprobs=self._logprobs(o.logprobs)))
+            calls = self._calls(o.text, o.finish_reason)
+            message = (AssistantMessage(content=o.text.lstrip()) if calls is None
+                       else AssistantMessage(tool_calls=calls))
+            reason = "tool_calls" if calls else o.finish_reason
+            logprobs = self._logprobs(o.logprobs)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
@@ -201,25 +202,30 @@ class ChatFormat(_Format):
                 return None
             logprobs = self._logprobs(chunk.logprobs)
             return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs)])
-        call = self._call(self._held[index], chunk.finish_reason)
-        if call is None:
+        calls = self._calls(self._held[index], chunk.finish_reason)
+        if calls is None:
             delta, reason = ChatDelta(content=self._held[index].lstrip()), chunk.finish_reason
         else:
-            delta, reason = ChatDelta(tool_calls=[ToolCallDelta(index=0, **call.model_dump())]), "tool_calls"
+            deltas = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(calls)]
+            delta, reason = ChatDelta(tool_calls=deltas), "tool_calls"
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=reason,
                                             logprobs=self._logprobs(chunk.logprobs))])
 
-    def _call(self, text: str, finish_reason: str | None) -> ToolCall | None:
-        """The tool call a choice's text is, when the choice is one and its JSON closed."""
+    def _calls(self, text: str, finish_reason: str | None) -> list[ToolCall] | None:
+        """The tool calls a choice's text is, when the choice is calls and their JSON closed: one
+        object, or several, a line each (parallel tool calls)."""
         if not self.tool_call or finish_reason != "stop":
             return None
+        calls, at = [], _skip_space(text, 0)
         try:
-            value = json.loads(text)
-            name, arguments = value["name"], value["arguments"]
+            while at < len(text):
+                value, at = _DECODER.raw_decode(text, at)
+                calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(
+                    name=value["name"], arguments=json.dumps(value["arguments"]))))
+                at = _skip_space(text, at)
         except (ValueError, TypeError, KeyError):
             return None  # (a stop string of the request's cut it)
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                        function=ToolCallFunction(name=name, arguments=json.dumps(arguments)))
+        return calls or None
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
@@ -233,6 +239,15 @@ class ChatFormat(_Format):
         return ChoiceLogprobs(content=[
             ChatTokenLogprob(**_top(e.chosen).model_dump(), top_logprobs=[_top(t) for t in e.top]) for e in entries
         ])
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def _top(token: TokenText) -> TopLogprob:

@@ -110,6 +110,10 @@ def test_chat_renders_tools_their_results_and_earlier_calls():
         "Tool: rain\n\nAssistant:")
     assert "System: You may call one of these tools, answering with nothing but a JSON object" in render(
         messages, ChatTemplate(), tools, required=False)
+    messages[2].tool_calls.append(messages[2].tool_calls[0].model_copy(update={"id": "c2"}))  # parallel calls
+    several = render(messages, ChatTemplate(), tools, several=True)
+    assert 'as a JSON object {"name": ..., "arguments": {...}} (several calls: one a line):\n' in several
+    assert 'Assistant: {"name": "get_weather", "arguments": {"city": "Oslo"}}\n{"name": "get_weather"' in several
 
 
 def test_n_and_prompt_lists_give_one_choice_each(client):
@@ -296,17 +300,19 @@ def test_tool_calls_over_http(client):
 
     messages = [{"role": "user", "content": "Lights on, please."}]
     body = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "tool_choice": "required",
-                                                      "n": 3, "seed": 5, "max_tokens": 200}).json()
-    for choice in body["choices"]:
+                                                      "n": 3, "seed": 5, "max_tokens": 600}).json()
+    for choice in body["choices"]:  # (parallel calls by default: one to eight)
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
-        (call,) = choice["message"]["tool_calls"]
-        assert call["type"] == "function" and call["id"].startswith("call_")
-        arguments = json.loads(call["function"]["arguments"])
-        assert (call["function"]["name"], list(arguments)) in [("set_light", ["on"]), ("paint", ["color"])]
-        assert arguments.get("on") in (True, False) or arguments.get("color") in ("red", "green")
+        calls = choice["message"]["tool_calls"]
+        assert 1 <= len(calls) <= 8 and len({call["id"] for call in calls}) == len(calls)
+        for call in calls:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            arguments = json.loads(call["function"]["arguments"])
+            assert (call["function"]["name"], list(arguments)) in [("set_light", ["on"]), ("paint", ["color"])]
+            assert arguments.get("on") in (True, False) or arguments.get("color") in ("red", "green")
     named = {"type": "function", "function": {"name": "paint"}}
     events = stream(client, "/v1/chat/completions", messages=messages, tools=TOOLS, tool_choice=named,
-                    max_tokens=200, seed=6)
+                    max_tokens=200, seed=6, parallel_tool_calls=False)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     (last,) = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert last["choices"][0]["finish_reason"] == "tool_calls"
@@ -330,6 +336,40 @@ def test_tool_calls_over_http(client):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_parallel_tool_calls_are_up_to_eight_a_line_each(client, tokenizer):
+    """parallel_tool_calls (the default): after a call, a newline and "{" open another, up to
+    eight, and a blank line ends the reply; false: one call. A bias for "{" makes the model call
+    as often as it may (with every token that holds a blank line banned); one for a newline token
+    ends the reply after the first call."""
+    import json
+
+    messages = [{"role": "user", "content": "Lights on, please."}]
+    brace, newline = tokenizer.encode("{")[0], tokenizer.encode("\n")[0]
+    calls = {str(brace): 100} | {str(t): -100 for t in range(tokenizer.vocab_size) if b"\n\n" in _bytes(tokenizer, t)}
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 600, "seed": 3,
+            "temperature": 0.5}
+    for extra, count in [({"logit_bias": calls}, 8), ({"logit_bias": {str(newline): 100}}, 1),
+                         ({"logit_bias": calls, "parallel_tool_calls": False}, 1)]:
+        choice = client.post("/v1/chat/completions", json={**body, **extra}).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == count, choice
+        assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"])
+    events = stream(client, "/v1/chat/completions", **body, logit_bias=calls)
+    (last,) = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert [c["index"] for c in last["choices"][0]["delta"]["tool_calls"]] == list(range(8))
+    # /tokenize counts the tools' turn as the chat's prompt has it
+    for extra in [{}, {"parallel_tool_calls": False}, {"tool_choice": "auto"}]:
+        chat = client.post("/v1/chat/completions", json={**body, "max_tokens": 1, **extra}).json()
+        tokenized = client.post("/tokenize", json={"messages": messages, "tools": TOOLS, **body, **extra}).json()
+        assert tokenized["count"] == chat["usage"]["prompt_tokens"], extra
+
+
+def _bytes(tokenizer, token: int) -> bytes:
+    try:
+        return tokenizer.token_bytes(token)
+    except ValueError:
+        return b""
+
+
 def test_tool_choice_auto_is_a_call_when_the_reply_opens_an_object(client, tokenizer):
     """tool_choice "auto" (the default with tools): a reply that opens with "{" is held to the
     tools' schemas and comes back as a call; any other reply is text, streamed as it comes, with
@@ -339,7 +379,8 @@ def test_tool_choice_auto_is_a_call_when_the_reply_opens_an_object(client, token
     messages = [{"role": "user", "content": "Lights on, please."}]
     brace, word = tokenizer.encode("{")[0], tokenizer.encode("Sure")[0]
     call = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 200,
-                                                      "seed": 8, "logit_bias": {str(brace): 100}}).json()
+                                                      "seed": 8, "logit_bias": {str(brace): 100},
+                                                      "parallel_tool_calls": False}).json()
     choice = call["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
     (made,) = choice["message"]["tool_calls"]

@@ -69,9 +69,12 @@ def test_a_required_tool_call(oai):
     switch = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
               "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "set_light", "parameters": switch}}]
-    completion = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Light on."}],
-                                             tools=tools, tool_choice="required", max_tokens=200, seed=7)
-    choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "set_light" and json.loads(call.function.arguments)["on"] in (True, False)
+    for parallel, most in [(True, 8), (False, 1)]:
+        completion = oai.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Light on."}], tools=tools,
+            tool_choice="required", parallel_tool_calls=parallel, max_tokens=600, seed=7)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert 1 <= len(choice.message.tool_calls) <= most
+        for call in choice.message.tool_calls:
+            assert call.function.name == "set_light" and json.loads(call.function.arguments)["on"] in (True, False)

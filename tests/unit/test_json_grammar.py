@@ -193,3 +193,29 @@ def test_or_text_takes_an_object_or_any_text_that_does_not_open_one(world):
     start = set(either.allowed(machine.start))
     assert start == {t for t, data in every if data and advance(machine.start, data, machine) is not None}
     assert 0 not in start and tokenizer.encode("Hello")[0] in start
+
+
+def test_several_takes_up_to_most_texts_a_line_each_and_ends_at_a_blank_line(world):
+    """Parallel tool calls: up to `most` objects, each after a newline of its own; fewer end at a
+    blank line, the most-th ends the reply where it closes."""
+    tokenizer, _ = world
+    grammar = JsonGrammar(tokenizer)
+    several = grammar.constraint(most=3)
+    machine = several.machine
+    assert isinstance(machine, jg.Several) and several is grammar.constraint(most=3) is not grammar.constraint()
+    for text, ok in [(b'{"a": 1}\n\n', True), (b'{"a": 1}\n{"b": [2]}\n\n', True), (b'{}\n{}\n{}', True),
+                     (b'{"a": {\n  "b": 1}}\n{}\n\n', True),  # an object's own newlines are its whitespace
+                     (b'{"a": 1}', False), (b'{"a": 1}\n', False), (b'{}\n{}\n{}\n', False), (b'{} {}\n\n', False),
+                     (b'{}\n\n{}', False), (b'{}{}\n\n', False), (b'\n\n', False), (b'{}\n[1]\n\n', False)]:
+        assert accepts(text, machine) == ok, text
+    assert not machine.done(advance(machine.start, b"{}\n{}", machine))  # a third may come
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    for prefix in [b"", b'{"k": "v', b"{}", b"{}\n", b"{}\n{}"]:
+        state = advance(machine.start, prefix, machine)
+        assert set(several.allowed(state)) == {
+            t for t, data in every if data and advance(state, data, machine) is not None}, prefix
+    either = grammar.constraint(or_text=True, most=2)  # tool_choice "auto" with parallel calls
+    for text, free, done in [(b"Sure", True, False), (b"{}\n", False, False), (b"{}\n{}", False, True),
+                             (b"{}\n\n", False, True)]:
+        state = advance(either.start, text, either.machine)
+        assert state is not None and either.free(state) == free and either.done(state) == done, text
