@@ -19,8 +19,8 @@ U+FFFD, which is still JSON).
 
 A state is (stack, mode, aux): `stack` the open containers as bytes (b"{[" is an array inside an
 object), `mode` one of the constants below, `aux` in modes that take whitespace its run so far
-(0 none, 1 a space, 2 + k a newline and k spaces or tabs), in HEX the hex digits left (×2, plus 1
-in a key), in LITERAL the literal and the position in it, in a number the digits of its current
+(0 none, 1 a space, 2 + k a newline and k spaces or tabs), in a string its escape state
+(`escape_step`), in LITERAL the literal and the position in it, in a number the digits of its current
 part.
 """
 
@@ -39,6 +39,8 @@ from .tokenizer import Tokenizer
 
 MAX_INDENT = 20
 MAX_DEPTH = 32
+ANY_LENGTH = 1 << 30  # Machine.room inside a string of any length
+NOT_PLAIN = 1 << 31  # _Trie.below of a node with bytes other than plain string text below it
 MEMO_STATES = 2048  # banned-token masks kept per constraint (a mask is vocab_size bits on the device)
 MEMO_SCHEMAS = 8  # schemas' constraints kept per grammar: at most 9 × 2,048 masks, 151 MB at 65,536 tokens
 
@@ -47,11 +49,11 @@ State = tuple[bytes, int, int]
 # modes that take whitespace (aux: the run so far)
 START, VALUE, ARRAY0, OBJECT0, KEY, COLON, NEXT, DONE = range(8)
 # inside a string, a value's or a key's
-STRING, KEY_STRING, ESCAPE, KEY_ESCAPE, HEX = range(8, 13)
+STRING, KEY_STRING = range(8, 10)
 # inside a number: after "-", after a leading "0", in the integer, after ".", in the fraction,
 # after "e", after the exponent's sign, in the exponent
-N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(13, 21)
-LITERAL = 21
+N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(10, 18)
+LITERAL = 18
 
 START_STATE: State = (b"", START, 0)
 WS = frozenset(b" \t\n\r")  # (\r is refused: newlines are \n)
@@ -72,21 +74,10 @@ def step(state: State, b: int) -> State | None:
             return _space(stack, mode, aux, b)
         return _structural(stack, mode, b)
     if mode == STRING or mode == KEY_STRING:
-        if b == QUOTE:
+        if aux == 0 and b == QUOTE:
             return (stack, COLON, 0) if mode == KEY_STRING else _after_value(stack)
-        if b == BACKSLASH:
-            return (stack, ESCAPE if mode == STRING else KEY_ESCAPE, 0)
-        return state if b >= 0x20 else None
-    if mode == ESCAPE or mode == KEY_ESCAPE:
-        key = int(mode == KEY_ESCAPE)
-        if b == ord("u"):
-            return (stack, HEX, 4 * 2 + key)
-        return (stack, KEY_STRING if key else STRING, 0) if b in SIMPLE_ESCAPES else None
-    if mode == HEX:
-        if b not in HEX_DIGITS:
-            return None
-        left, key = divmod(aux, 2)
-        return (stack, HEX, (left - 1) * 2 + key) if left > 1 else (stack, KEY_STRING if key else STRING, 0)
+        esc = escape_step(aux, b)
+        return None if esc is None else (stack, mode, esc)
     if mode == LITERAL:
         word, at = divmod(aux, 8)
         text = LITERALS[word]
@@ -99,6 +90,35 @@ def step(state: State, b: int) -> State | None:
     if mode in NUMBER_ENDS:  # the number ended: the byte is the next thing's
         return step(_after_value(stack), b)
     return None
+
+
+def escape_step(esc: int, b: int) -> int | None:
+    """Inside a string, its escape state after the byte b (not its closing quote, which comes in
+    state 0), or None. States: 0 in the text, 1 after a backslash; in a \\u escape 5, 4, 3, 2
+    with 4, 3, 2, 1 hex digits left, 6 after a first digit D (a surrogate, or not); in half a
+    surrogate pair 7 and 8 with 2 and 1 digits left, then 9, 10, 11, 12 where its second half's
+    backslash, u, D and C-F come (then 3). A half alone is refused: pydantic's JSON refuses it."""
+    if esc == 0:
+        if b == BACKSLASH:
+            return 1
+        return 0 if b >= 0x20 else None
+    if esc == 1:
+        if b == ord("u"):
+            return 5
+        return 0 if b in SIMPLE_ESCAPES else None
+    if esc == 9 or esc == 10:
+        return esc + 1 if b == (BACKSLASH if esc == 9 else ord("u")) else None
+    if b not in HEX_DIGITS:
+        return None
+    if esc == 5:
+        return 6 if b in b"dD" else 4
+    if esc == 6:  # \uD?: 0-7 a character, 8-B a pair's first half, C-F a second half alone
+        return 3 if b in b"01234567" else 7 if b in b"89abAB" else None
+    if esc == 11:
+        return 12 if b in b"dD" else None
+    if esc == 12:
+        return 3 if b in b"cdefCDEF" else None
+    return {7: 8, 8: 9, 4: 3, 3: 2, 2: 0}[esc]
 
 
 def advance(state: Any, data: bytes, machine: Machine | None = None) -> Any | None:
@@ -201,8 +221,9 @@ class Machine(Protocol):
     def step(self, state: Any, b: int) -> Any | None:
         """The state after one more byte, or None if the text can no longer be accepted."""
 
-    def plain(self, state: Any) -> bool:
-        """Inside a string, where any plain string byte leaves the state as it is."""
+    def room(self, state: Any) -> int:
+        """How many characters of plain string text (no quote, backslash or control byte) surely
+        go on from here: ANY_LENGTH inside a string that takes any text, 0 where none may."""
 
     def done(self, state: Any) -> bool:
         """The text is whole: the row ends here."""
@@ -219,8 +240,8 @@ class ObjectMachine:
     def step(self, state: State, b: int) -> State | None:
         return step(state, b)
 
-    def plain(self, state: State) -> bool:
-        return state[1] == STRING or state[1] == KEY_STRING
+    def room(self, state: State) -> int:
+        return ANY_LENGTH if (state[1] == STRING or state[1] == KEY_STRING) and state[2] == 0 else 0
 
     def done(self, state: State) -> bool:
         return state[1] == DONE
@@ -254,8 +275,10 @@ class OrText:
         inner = self.machine.step(self.machine.start, b)
         return None if inner is None else ("json", inner)
 
-    def plain(self, state: Any) -> bool:
-        return state == TEXT or state[0] == "json" and self.machine.plain(state[1])
+    def room(self, state: Any) -> int:
+        if state == TEXT:
+            return ANY_LENGTH
+        return self.machine.room(state[1]) if state[0] == "json" else 0
 
     def done(self, state: Any) -> bool:
         return state != TEXT and state[0] == "json" and self.machine.done(state[1])
@@ -293,8 +316,8 @@ class Several:
         inner = self.machine.step(self.machine.start, b) if b == OPEN_OBJECT else None
         return None if inner is None else ("in", state[1], inner)
 
-    def plain(self, state: Any) -> bool:
-        return state != END and state[0] == "in" and self.machine.plain(state[2])
+    def room(self, state: Any) -> int:
+        return self.machine.room(state[2]) if state != END and state[0] == "in" else 0
 
     def done(self, state: Any) -> bool:
         return state == END
@@ -374,8 +397,8 @@ class JsonGrammar:
 
 class _Trie:
     """The tokens' bytes as a trie, walked with a machine: a byte the machine refuses prunes
-    every token below it. Inside a string, a node below which every byte is plain string text
-    (not a quote, a backslash or a control byte) leaves the state as it is, so all its tokens
+    every token below it. Inside a string, where a node's texts below are all plain string text
+    (no quote, backslash or control byte) and no longer than the state's room, all its tokens
     are taken at once without walking them; so are all the tokens below a free state."""
 
     def __init__(self, tokens: list[bytes]):
@@ -394,11 +417,11 @@ class _Trie:
                     self.token.append(-1)
                 node = nxt
             self.token[node] = token_id
-        # preorder: a node's subtree's tokens are order[first[n]:last[n]]; plain[n]: every byte
-        # below n is plain string text
+        # preorder: a node's subtree's tokens are order[first[n]:last[n]]; below[n]: the most
+        # characters of the texts below n if every byte there is plain string text, else NOT_PLAIN
         n = len(self.token)
         self.order: list[int] = []
-        self.first, self.last, self.plain = [0] * n, [0] * n, [True] * n
+        self.first, self.last, self.below = [0] * n, [0] * n, [0] * n
         self._number(0)
 
     def _number(self, root: int) -> None:
@@ -407,7 +430,8 @@ class _Trie:
             node, done = todo.pop()
             if done:
                 self.last[node] = len(self.order)
-                self.plain[node] = all(_plain(b) and self.plain[c] for b, c in self.children[node].items())
+                self.below[node] = max((_chars_below(b, self.below[c]) for b, c in self.children[node].items()),
+                                       default=0)
                 continue
             self.first[node] = len(self.order)
             if self.token[node] >= 0:
@@ -424,7 +448,7 @@ class _Trie:
                 nxt = machine.step(at, b)
                 if nxt is None:
                     continue
-                if (self.plain[child] and machine.plain(nxt)) or machine.free(nxt):
+                if machine.room(nxt) >= self.below[child] or machine.free(nxt):
                     allowed.extend(self.order[self.first[child]:self.last[child]])
                     continue
                 if self.token[child] >= 0:
@@ -452,8 +476,11 @@ def unpack(bits: Tensor, vocab_size: int) -> Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
 
 
-def _plain(b: int) -> bool:
-    return b >= 0x20 and b != QUOTE and b != BACKSLASH
+def _chars_below(b: int, below: int) -> int:
+    """_Trie.below of a node through its byte b to a child whose own is `below`."""
+    if below == NOT_PLAIN or b < 0x20 or b == QUOTE or b == BACKSLASH:
+        return NOT_PLAIN
+    return below + ((b & 0xC0) != 0x80)  # (a UTF-8 continuation byte is no new character)
 
 
 def _token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:

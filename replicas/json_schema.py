@@ -13,11 +13,15 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
 - `enum` and `const`, of any JSON values (written compactly: `[1,2]`, not `[1, 2]`);
 - `anyOf`, `oneOf` (taken as anyOf), `allOf` of one schema, `$ref` to `#`, `#/$defs/…` or
   `#/definitions/…` (recursive ones too);
+- strings: `minLength`, `maxLength` (in characters: an escape or a UTF-8 character is one),
+  `pattern` and the `format`s date, time, date-time, uuid, ipv4 and email (json_regex.py: a
+  patterned string is written without escapes, its "any character" is printable ASCII);
 - `{}` or `true`: any JSON value.
 
-Other keywords (`pattern`, `format`, `minLength`, `minimum`, …) are not enforced: the value only
-has the type they qualify, as if they were descriptions. The root must be an object. Whitespace
-and nesting have json_grammar's bounds.
+Other keywords (other formats, `minimum`, `multipleOf`, …) are not enforced: the value only has
+the type they qualify, as if they were descriptions. The root must be an object. Whitespace and
+nesting have json_grammar's bounds; half a surrogate pair (`"\\ud83d"` alone) is refused in every
+string, as pydantic's JSON refuses it.
 
 A schema is read into nodes (a list; a `$ref` is the index of its target's node, so recursion is
 a cycle). The machine is nondeterministic (two branches of an anyOf may start alike; a number may
@@ -34,6 +38,7 @@ import json
 from typing import Any
 
 from . import json_grammar as jg
+from .json_regex import FORMATS, RegexError, compile_pattern
 
 MAX_NODES = 2000
 MAX_LITERALS = 1000
@@ -44,8 +49,8 @@ ANY, OBJECT, ARRAY, STRING, NUMBER, LITERALS, UNION = range(7)
 # as json_grammar's aux; DICT, DOKEY and DCOLON are OBJ, OKEY and COLON for members of any name) ...
 VAL, OBJ, OKEY, COLON, ARR0, ARR, DICT, DOKEY, DCOLON, DONE = range(10)
 # ... and inside a value: a key, a string, a number, an enum's literal, a value of any shape, a
-# key of any name
-KEY, STR, NUM, LIT, FREE, DKEY = range(10, 16)
+# key of any name, a string with a length or a pattern
+KEY, STR, NUM, LIT, FREE, DKEY, CSTR = range(10, 17)
 
 Element = tuple[tuple, tuple]
 
@@ -89,8 +94,8 @@ class SchemaMachine:
             after.update(self._step(element, b))
         return frozenset(after) if after else None
 
-    def plain(self, state: frozenset) -> bool:
-        return all(_in_plain_string(lex) for _, lex in state)
+    def room(self, state: frozenset) -> int:
+        return max(self._room(lex) for _, lex in state)
 
     def done(self, state: frozenset) -> bool:
         return any(lex[0] == DONE for _, lex in state)
@@ -109,12 +114,12 @@ class SchemaMachine:
         if tag == KEY:
             return self._key(frames, lex, b)
         if tag == STR or tag == DKEY:
-            esc = _string(lex[-1], b)
-            if esc is None:
-                return []
-            if esc != CLOSED:
-                return [(frames, lex[:-1] + (esc,))]
-            return [_complete(frames)] if tag == STR else [(frames, (DCOLON, lex[1], 0))]
+            if lex[-1] == 0 and b == jg.QUOTE:
+                return [_complete(frames)] if tag == STR else [(frames, (DCOLON, lex[1], 0))]
+            esc = jg.escape_step(lex[-1], b)
+            return [] if esc is None else [(frames, lex[:-1] + (esc,))]
+        if tag == CSTR:
+            return self._constrained_string(frames, lex, b)
         if tag == NUM:
             after = jg.number_step(lex[1], lex[3], b, lex[2])
             return [] if after is None else self._closure((frames, (NUM, after[0], lex[2], after[1])))
@@ -198,7 +203,11 @@ class SchemaMachine:
         if kind == ARRAY:
             return [(frames, (ARR0, at, 0))] if b == jg.OPEN_ARRAY else []
         if kind == STRING:
-            return [(frames, (STR, 0))] if b == jg.QUOTE else []
+            if b != jg.QUOTE:
+                return []
+            if node[1] == 0 and node[2] is None and not node[3]:
+                return [(frames, (STR, 0))]
+            return [(frames, (CSTR, at, 0, 0, tuple(regex.start for regex in node[3])))]
         if kind == NUMBER:
             if b == ord("-"):
                 return [(frames, (NUM, jg.N_MINUS, node[1], 0))]
@@ -219,6 +228,42 @@ class SchemaMachine:
                  or (lex[0] == LIT and lex[2] in lex[1]))
         goes_on = lex[0] != LIT or any(len(c) > len(lex[2]) and c.startswith(lex[2]) for c in lex[1])
         return ([element] if goes_on else []) + ([_complete(frames)] if whole else [])
+
+    def _constrained_string(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
+        """A byte of a string with a length or patterns: (CSTR, node, escape state, characters
+        so far (capped past what matters), each pattern's states). A patterned string's
+        characters are plain: no escapes."""
+        _, at, esc, count, matches = lex
+        _, low, high, regexes = self.nodes[at]
+        if esc == 0 and b == jg.QUOTE:
+            whole = count >= low and all(r.accepts(m) for r, m in zip(regexes, matches, strict=True))
+            return [_complete(frames)] if whole else []
+        if regexes:
+            if b < 0x20 or b == jg.BACKSLASH:
+                return []
+            matches = tuple(r.step(m, b) for r, m in zip(regexes, matches, strict=True))
+            if None in matches:
+                return []
+        else:
+            esc_after = jg.escape_step(esc, b)
+            if esc_after is None:
+                return []
+        if esc == 0 and (b & 0xC0) != 0x80:  # a character starts (a UTF-8 lead byte, or an escape)
+            count = min(count + 1, max(low, high or 0) + 1)
+            if high is not None and count > high:
+                return []
+        return [(frames, (CSTR, at, 0 if regexes else esc_after, count, matches))]
+
+    def _room(self, lex: tuple) -> int:
+        """Machine.room of one element."""
+        if lex[0] in (STR, DKEY):
+            return jg.ANY_LENGTH if lex[-1] == 0 else 0
+        if lex[0] == FREE:
+            return jg.ANY_LENGTH if lex[1][1] in (jg.STRING, jg.KEY_STRING) and lex[1][2] == 0 else 0
+        if lex[0] != CSTR or lex[2] != 0 or self.nodes[lex[1]][3]:
+            return 0
+        high = self.nodes[lex[1]][2]
+        return jg.ANY_LENGTH if high is None else high - lex[3]
 
     def _key(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
         _, at, i, prefix = lex
@@ -316,7 +361,7 @@ class SchemaMachine:
                               tuple(self._read(p, f"{where}.prefixItems[{n}]") for n, p in enumerate(prefix)))
             return at
         if kind == "string":
-            return self._add((STRING,))
+            return self._string_node(schema, where)
         if kind in ("number", "integer"):
             return self._add((NUMBER, kind == "integer"))
         if kind == "boolean":
@@ -324,6 +369,24 @@ class SchemaMachine:
         if kind == "null":
             return self._literals([None], where)
         raise SchemaError(f"{where}: unknown type {kind!r}")
+
+    def _string_node(self, schema: dict, where: str) -> int:
+        """(STRING, minLength, maxLength or None, the automata of its pattern and its format)."""
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not _count(low) or (high is not None and (not _count(high) or high < low)):
+            raise SchemaError(f"{where}: minLength and maxLength must be integers from 0, maxLength at least minLength")
+        patterns = []
+        if "pattern" in schema:
+            patterns.append(("pattern", schema["pattern"]))
+        if schema.get("format") in FORMATS:
+            patterns.append(("format", FORMATS[schema["format"]]))
+        regexes = []
+        for key, pattern in patterns:
+            try:
+                regexes.append(compile_pattern(pattern))
+            except RegexError as err:
+                raise SchemaError(f"{where}.{key}: {err}") from None
+        return self._add((STRING, low, high, tuple(regexes)))
 
     def _ref(self, ref: Any, where: str) -> int:
         if ref in self._refs:
@@ -359,30 +422,8 @@ class SchemaMachine:
         return node[0] == OBJECT or (node[0] == LITERALS and all(t.startswith(b"{") for t in node[1]))
 
 
-CLOSED = -2  # _string: the string's closing quote
-
-
-def _string(esc: int, b: int) -> int | None:
-    """Inside a string, its escape state after the byte b (0 in the text, -1 after a backslash,
-    k > 0 hex digits of a \\u escape left), CLOSED at its closing quote, or None."""
-    if esc == 0:
-        if b == jg.QUOTE:
-            return CLOSED
-        if b == jg.BACKSLASH:
-            return -1
-        return 0 if b >= 0x20 else None
-    if esc == -1:
-        if b == ord("u"):
-            return 4
-        return 0 if b in jg.SIMPLE_ESCAPES else None
-    return esc - 1 if b in jg.HEX_DIGITS else None
-
-
-def _in_plain_string(lex: tuple) -> bool:
-    """Inside a string's text, where a plain byte leaves the element as it is."""
-    if lex[0] == STR or lex[0] == DKEY:
-        return lex[-1] == 0
-    return lex[0] == FREE and lex[1][1] in (jg.STRING, jg.KEY_STRING)
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _item_node(node: tuple, count: int) -> int:

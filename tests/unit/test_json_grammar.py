@@ -61,7 +61,8 @@ NUMBER = re.compile(r"-?(\d+)(?:\.(\d+))?(?:[eE][-+]?(\d+))?")
 
 def loads_within_bounds(text: str):
     """json.loads, refusing (ValueError) what the machine's bounds refuse besides whitespace and
-    depth: NaN and Infinity, and numbers of more than 16, 16 and 3 digits in their parts."""
+    depth: NaN and Infinity, numbers of more than 16, 16 and 3 digits in their parts, and half a
+    surrogate pair alone (which pydantic's JSON refuses)."""
 
     def number(kind: type):
         def read(literal: str):
@@ -74,7 +75,12 @@ def loads_within_bounds(text: str):
     def constant(name: str):
         raise ValueError(name)
 
-    return json.loads(text, parse_int=number(int), parse_float=number(float), parse_constant=constant)
+    value = json.loads(text, parse_int=number(int), parse_float=number(float), parse_constant=constant)
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("half a surrogate pair") from None
+    return value
 
 
 def test_edited_texts_are_accepted_exactly_when_json_reads_an_object():
@@ -219,3 +225,13 @@ def test_several_takes_up_to_most_texts_a_line_each_and_ends_at_a_blank_line(wor
                              (b"{}\n\n", False, True)]:
         state = advance(either.start, text, either.machine)
         assert state is not None and either.free(state) == free and either.done(state) == done, text
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"a": "\\ud83d\\udca1"}', True), (b'{"\\uD83D\\uDCA1": 1}', True), (b'{"a": "\\ud7ff\\ue000"}', True),
+    (b'{"a": "\\ud83d"}', False), (b'{"a": "\\ud83dx"}', False), (b'{"a": "\\ud83d\\u0041"}', False),
+    (b'{"a": "\\udca1"}', False), (b'{"a": "\\ud83d\\ud83d"}', False),
+])
+def test_surrogate_escapes_come_in_whole_pairs(text, ok):
+    """pydantic's JSON (what the OpenAI SDK's parse() validates with) refuses half a pair."""
+    assert accepts(text) == ok

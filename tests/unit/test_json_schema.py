@@ -207,6 +207,9 @@ def test_members_of_any_name_and_tuples(text, ok):
     ({"type": "object", "properties": {"a": {"enum": []}}}, "enum: a non-empty list"),
     ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, "maxItems at least"),
     ({"type": "object", "properties": {"a": 5}}, "schema.properties.a: a schema must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}},
+     "schema.properties.a.pattern: lookarounds"),
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "minLength and maxLength"),
 ])
 def test_schemas_it_cannot_follow_are_refused_with_where(schema, message):
     with pytest.raises(SchemaError, match=message.replace("$", r"\$").replace("(", r"\(")):
@@ -229,3 +232,95 @@ def test_the_masks_of_a_schema_are_exactly_the_tokens_its_machine_takes():
     for token in tokenizer.encode(text.decode()):
         state = people.advance(state, token)
     assert people.done(state)
+
+
+STRINGS = {"type": "object", "required": ["short", "code", "day"], "properties": {
+    "short": {"type": "string", "minLength": 2, "maxLength": 4},
+    "code": {"type": "string", "pattern": r"^[A-Z]{2}-\d+(\.\d\d)?$"},
+    "day": {"type": "string", "format": "date"},
+    "word": {"type": "string", "pattern": "ab|ba", "maxLength": 5},  # a search: any text around
+    "free": {"type": "string", "format": "not-a-known-one"}}}
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"short": "ab", "code": "XY-1", "day": "2024-02-29"}', True),
+    (b'{"short": "a\\"\\u00e9b", "code": "XY-12.50", "day": "2000-02-29", "word": "xxab", "free": "x"}', True),
+    (b'{"short": "na\xc3\xafv", "code": "XY-1", "day": "2024-12-31"}', True),  # 4 characters, 5 bytes
+    (b'{"short": "a", "code": "XY-1", "day": "2024-02-29"}', False),  # too short
+    (b'{"short": "abcde", "code": "XY-1", "day": "2024-02-29"}', False),  # too long
+    (b'{"short": "ab", "code": "Xy-1", "day": "2024-02-29"}', False),
+    (b'{"short": "ab", "code": "XY-1.5", "day": "2024-02-29"}', False),
+    (b'{"short": "ab", "code": "XY-1", "day": "2023-02-29"}', False),  # no such day
+    (b'{"short": "ab", "code": "XY-1", "day": "2024-04-31"}', False),
+    (b'{"short": "ab", "code": "XY-1", "day": "2024-01-01", "word": "abcdef"}', False),  # maxLength too
+    (b'{"short": "ab", "code": "XY-1", "day": "2024-01-01", "word": "xyz"}', False),
+    (b'{"short": "ab", "code": "XY-\\u0031", "day": "2024-01-01"}', False),  # a patterned string has no escapes
+])
+def test_string_lengths_patterns_and_formats(text, ok):
+    assert accepts(text, SchemaMachine(json.dumps(STRINGS))) == ok
+
+
+def test_constrained_strings_against_the_reference():
+    """Random strings in each constrained property: accepted exactly when their length (in
+    characters) and Python's re.search of the pattern say so (patterned strings drawn from
+    printable ASCII, which is what "any character" means there)."""
+    import re
+
+    machine = SchemaMachine(json.dumps(STRINGS))
+    rng = random.Random(4)
+    for _ in range(600):
+        short = "".join(rng.choice(["a", "é", '"', "\n", "💡"]) for _ in range(rng.randrange(7)))
+        code = "".join(rng.choice("XY-1.05") for _ in range(rng.randrange(9)))
+        word = "".join(rng.choice("abx ") for _ in range(rng.randrange(7)))
+        value = {"short": short, "code": code, "day": "1999-12-31", "word": word}
+        expected = (2 <= len(short) <= 4 and re.search(STRINGS["properties"]["code"]["pattern"], code) is not None
+                    and re.search("ab|ba", word) is not None and len(word) <= 5)
+        text = json.dumps(value, ensure_ascii=rng.random() < 0.5).encode()
+        assert accepts(text, machine) == expected, text
+
+
+def test_masks_inside_constrained_strings_are_exactly_the_tokens_the_machine_takes():
+    """The trie takes a subtree of plain text whole only where the string has room for its
+    longest text: a maxLength string's masks checked against every token."""
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    strings = JsonGrammar(tokenizer).constraint(json.dumps(STRINGS))
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    every = [(t, data) for t, data in every if data]
+    for prefix in ['{"short": "', '{"short": "a', '{"short": "ab', '{"short": "abc', '{"short": "abcd',
+                   '{"short": "ab", "code": "X', '{"short": "ab", "code": "XY-1', '{"short": "ab", "code": "XY-1", '
+                   '"day": "2024-0', '{"short": "ab", "code": "XY-1", "day": "2024-01-01", "word": "x']:
+        state = advance(strings.start, prefix.encode(), strings.machine)
+        assert state is not None, prefix
+        assert set(strings.allowed(state)) == {t for t, data in every if strings.advance(state, t) is not None}, prefix
+
+
+def test_a_pydantic_model_with_constrained_strings_validates_what_the_machine_writes():
+    """What `client.chat.completions.parse` checks: texts drawn token by token among the allowed
+    ones (a random model's worst case) validate as the model once their object closes."""
+    import datetime
+    import uuid
+
+    from pydantic import Field, IPvAnyAddress
+
+    class Ticket(BaseModel):
+        code: str = Field(pattern=r"^[A-Z]{3}-\d{2}$")
+        title: str = Field(min_length=1, max_length=6, pattern="^[a-z ]+$")
+        opened: datetime.datetime
+        due: datetime.date
+        id: uuid.UUID
+        host: IPvAnyAddress = Field(json_schema_extra={"format": "ipv4"})
+
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    tickets = JsonGrammar(tokenizer).constraint(json.dumps(Ticket.model_json_schema()))
+    rng = random.Random(2)
+    closed = 0
+    for _ in range(6):
+        state, text = tickets.start, b""
+        for _ in range(400):
+            token = rng.choice(tickets.allowed(state))
+            state, text = tickets.advance(state, token), text + tokenizer.token_bytes(token)
+            if tickets.done(state):
+                Ticket.model_validate_json(text)
+                closed += 1
+                break
+    assert closed >= 3
