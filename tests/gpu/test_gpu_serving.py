@@ -97,12 +97,17 @@ def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, wher
 def test_json_mode_on_the_gpu_writes_the_cpus_json(model_dir):
     """JSON mode through the engine on the GPU (the masks on the device, the sampler's kernel):
     greedy rows write the CPU engine's text, and every row that ends is an object, or an instance
-    of its schema."""
+    of its schema; rows of parallel calls' form end as up to three objects."""
+    import datetime
     import json
+    import re
 
     schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
                                                           "ok": {"type": "boolean"}}, "required": ["name", "n"]})
-    kinds = [{"json_object": True}, {"json_schema": schema}]
+    strings = json.dumps({"type": "object", "required": ["code", "day"], "properties": {
+        "code": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "day": {"type": "string", "format": "date"}}})
+    kinds = [{"json_object": True}, {"json_schema": schema}, {"json_schema": strings},
+             {"json_object": True, "json_texts": 3}]  # (parallel tool calls' form: up to 3 objects, a line each)
     greedy = [SamplingParams(max_tokens=64, temperature=0.0, **kind) for kind in kinds]
     sampled = [SamplingParams(max_tokens=96, top_p=0.9, seed=seed, **kind) for seed, kind in enumerate(kinds * 3)]
 
@@ -131,11 +136,19 @@ def test_json_mode_on_the_gpu_writes_the_cpus_json(model_dir):
 
     params = greedy + sampled
     on_gpu = run("cuda", params)
-    assert [r for i, r in enumerate(on_gpu) if i % len(params) < 2] == run("cpu", greedy)
+    assert [r for i, r in enumerate(on_gpu) if i % len(params) < len(greedy)] == run("cpu", greedy)
     for i, (text, reason) in enumerate(on_gpu):
-        if reason == "stop":
-            value = json.loads(text)
-            assert isinstance(value, dict)
-            if params[i % len(params)].json_schema:
-                assert isinstance(value["name"], str) and type(value["n"]) is int, text
+        if reason != "stop":
+            continue
+        p = params[i % len(params)]
+        values, at, decoder = [], len(text) - len(text.lstrip()), json.JSONDecoder()
+        while at < len(text):
+            value, at = decoder.raw_decode(text, at)
+            values.append(value)
+            at = len(text) - len(text[at:].lstrip())
+        assert 1 <= len(values) <= p.json_texts and all(isinstance(v, dict) for v in values), text
+        if p.json_schema == schema:
+            assert isinstance(values[0]["name"], str) and type(values[0]["n"]) is int, text
+        elif p.json_schema == strings:
+            assert re.fullmatch("[a-z]{2,5}", values[0]["code"]) and datetime.date.fromisoformat(values[0]["day"])
     assert sum(reason == "stop" for _, reason in on_gpu) >= len(on_gpu) // 2
