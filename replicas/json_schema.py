@@ -16,10 +16,13 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
 - strings: `minLength`, `maxLength` (in characters: an escape or a UTF-8 character is one),
   `pattern` and the `format`s date, time, date-time, uuid, ipv4 and email (json_regex.py: a
   patterned string is written without escapes, its "any character" is printable ASCII);
+- numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, or draft 4's
+  booleans): a bounded number is written without an exponent, and a digit is taken only while
+  some value the text may still come to is within the bounds (exact, in fractions);
 - `{}` or `true`: any JSON value.
 
-Other keywords (other formats, `minimum`, `multipleOf`, …) are not enforced: the value only has
-the type they qualify, as if they were descriptions. The root must be an object. Whitespace and
+Other keywords (other formats, `multipleOf`, `uniqueItems`, …) are not enforced: the value only
+has the type they qualify, as if they were descriptions. The root must be an object. Whitespace and
 nesting have json_grammar's bounds; half a surrogate pair (`"\\ud83d"` alone) is refused in every
 string, as pydantic's JSON refuses it.
 
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+from fractions import Fraction
 from typing import Any
 
 from . import json_grammar as jg
@@ -50,7 +55,7 @@ ANY, OBJECT, ARRAY, STRING, NUMBER, LITERALS, UNION = range(7)
 VAL, OBJ, OKEY, COLON, ARR0, ARR, DICT, DOKEY, DCOLON, DONE = range(10)
 # ... and inside a value: a key, a string, a number, an enum's literal, a value of any shape, a
 # key of any name, a string with a length or a pattern
-KEY, STR, NUM, LIT, FREE, DKEY, CSTR = range(10, 17)
+KEY, STR, NUM, LIT, FREE, DKEY, CSTR, BNUM = range(10, 18)
 
 Element = tuple[tuple, tuple]
 
@@ -120,6 +125,8 @@ class SchemaMachine:
             return [] if esc is None else [(frames, lex[:-1] + (esc,))]
         if tag == CSTR:
             return self._constrained_string(frames, lex, b)
+        if tag == BNUM:
+            return self._bounded_number(frames, lex, b)
         if tag == NUM:
             after = jg.number_step(lex[1], lex[3], b, lex[2])
             return [] if after is None else self._closure((frames, (NUM, after[0], lex[2], after[1])))
@@ -209,6 +216,8 @@ class SchemaMachine:
                 return [(frames, (STR, 0))]
             return [(frames, (CSTR, at, 0, 0, tuple(regex.start for regex in node[3])))]
         if kind == NUMBER:
+            if node[2] is not None:
+                return self._bounded_number(frames, (BNUM, at, None, 0, b""), b)
             if b == ord("-"):
                 return [(frames, (NUM, jg.N_MINUS, node[1], 0))]
             if b in jg.DIGITS:
@@ -253,6 +262,26 @@ class SchemaMachine:
             if high is not None and count > high:
                 return []
         return [(frames, (CSTR, at, 0 if regexes else esc_after, count, matches))]
+
+    def _bounded_number(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
+        """A byte of a number with bounds: (BNUM, node, json_grammar's number mode (None before
+        its first byte), digits of its part, its text). Kept while some value the text may still
+        come to is within the bounds; no exponent."""
+        _, at, mode, digits, text = lex
+        _, integer, bounds = self.nodes[at]
+        if mode is None:
+            after = (jg.N_MINUS, 0) if b == ord("-") else jg.number_step(jg.N_MINUS, 0, b)
+        else:
+            after = None if b in b"eE" else jg.number_step(mode, digits, b, integer)
+        if after is None:
+            return []
+        text += bytes((b,))
+        if not any(_meets(low, high, bounds, integer) for low, high in _reachable(text, integer)):
+            return []
+        element = (frames, (BNUM, at, after[0], after[1], text))
+        value = Fraction(text.decode()) if after[0] in jg.NUMBER_ENDS else None
+        whole = value is not None and _meets(value, value, bounds, integer)
+        return [element, _complete(frames)] if whole else [element]
 
     def _room(self, lex: tuple) -> int:
         """Machine.room of one element."""
@@ -363,7 +392,11 @@ class SchemaMachine:
         if kind == "string":
             return self._string_node(schema, where)
         if kind in ("number", "integer"):
-            return self._add((NUMBER, kind == "integer"))
+            integer, bounds = kind == "integer", _bounds(schema, where)
+            spans = _reachable(b"", integer) + _reachable(b"-", integer)  # any number
+            if bounds is not None and not any(_meets(low, high, bounds, integer) for low, high in spans):
+                raise SchemaError(f"{where}: no {kind} of at most {jg.MAX_DIGITS[jg.N_INT]} digits meets its bounds")
+            return self._add((NUMBER, integer, bounds))
         if kind == "boolean":
             return self._literals([True, False], where)
         if kind == "null":
@@ -420,6 +453,70 @@ class SchemaMachine:
             seen.add(at)
             return all(self._objects_only(a, seen) for a in node[1] if a not in seen)
         return node[0] == OBJECT or (node[0] == LITERALS and all(t.startswith(b"{") for t in node[1]))
+
+
+Bounds = tuple[Fraction | None, bool, Fraction | None, bool]  # low, low exclusive, high, high exclusive
+GRID = Fraction(1, 10 ** jg.MAX_DIGITS[jg.N_FRAC])  # the least step between numbers the machine writes
+
+
+def _bounds(schema: dict, where: str) -> Bounds | None:
+    """minimum, exclusiveMinimum, maximum, exclusiveMaximum (numbers, or draft 4's booleans)."""
+    if not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        return None
+    sides = []
+    for inclusive, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        value, strict = schema.get(inclusive), schema.get(exclusive)
+        if isinstance(strict, bool):  # draft 4: exclusiveMinimum true qualifies minimum
+            strict, value = (value if strict else None), (None if strict else value)
+        for v in (value, strict):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise SchemaError(f"{where}.{inclusive}: a number")
+        bound, excl = (Fraction(str(strict)), True) if strict is not None else (
+            (Fraction(str(value)), False) if value is not None else (None, False))
+        if value is not None and strict is not None:  # both: the tighter
+            other = Fraction(str(value))
+            tighter = other > bound if inclusive == "minimum" else other < bound
+            bound, excl = (other, False) if tighter else (bound, True)
+        sides += [bound, excl]
+    return (sides[0], sides[1], sides[2], sides[3])
+
+
+def _meets(low: Fraction, high: Fraction, bounds: Bounds, integer: bool) -> bool:
+    """Whether a number on the grid (GRID, or 1 for integers) within [low, high] (themselves on
+    it) is within the bounds."""
+    lo, lo_x, hi, hi_x = bounds
+    grid = Fraction(1) if integer else GRID
+    if lo is not None:
+        first = max(low, math.ceil(lo / grid) * grid)
+        low = first + grid if lo_x and first == lo else first
+    if hi is not None:
+        last = min(high, math.floor(hi / grid) * grid)
+        high = last - grid if hi_x and last == hi else last
+    return low <= high
+
+
+def _reachable(text: bytes, integer: bool) -> list[tuple[Fraction, Fraction]]:
+    """Closed intervals on GRID that hold every value a number's text (a prefix: "", "-", "12.",
+    ...) may still come to, itself included when whole, within json_grammar's digits and without
+    an exponent."""
+    negative = text.startswith(b"-")
+    whole, dot, fraction = text[negative:].partition(b".")
+    most_int, most_frac = jg.MAX_DIGITS[jg.N_INT], jg.MAX_DIGITS[jg.N_FRAC]
+    tail = 1 if integer else 1 - GRID  # the most that digits after a point add below 1
+    if not whole:
+        spans = [(Fraction(0), 10 ** most_int - 1 + (0 if integer else tail))]
+    elif dot:
+        start = Fraction(int(whole + fraction), 10 ** len(fraction))
+        room = Fraction(1, 10 ** len(fraction)) - GRID if len(fraction) < most_frac else 0
+        spans = [(start, start + room)]
+    elif whole == b"0":
+        spans = [(Fraction(0), Fraction(0) if integer else tail)]
+    else:
+        n = int(whole)
+        spans = [(Fraction(n), n + (0 if integer else tail))]
+        spans += [(Fraction(n * 10 ** k), (n + 1) * 10 ** k - (1 if integer else GRID))
+                  for k in range(1, most_int - len(whole) + 1)]
+    return [(-high, -low) for low, high in spans] if negative else spans
 
 
 def _count(value: Any) -> bool:

@@ -63,6 +63,27 @@ def test_structured_output_parses_into_the_model(oai):
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Flag)
 
 
+def test_structured_output_keeps_the_models_constraints(oai):
+    """A model with a pattern, a date, and bounds on its numbers (pydantic's Field(pattern=...),
+    ge, le, gt): parse validates every reply, so each one met them all."""
+    import datetime
+
+    from pydantic import BaseModel, Field
+
+    class Booking(BaseModel):
+        code: str = Field(pattern=r"^[A-Z]{3}$")
+        day: datetime.date
+        nights: int = Field(ge=1, le=14)
+        rating: float = Field(gt=0, le=5)
+
+    for seed in (1, 2, 3):
+        completion = oai.chat.completions.parse(model=MODEL_NAME, messages=[{"role": "user", "content": "Book."}],
+                                                response_format=Booking, max_tokens=300, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Booking)
+        assert 1 <= choice.message.parsed.nights <= 14
+
+
 def test_a_required_tool_call(oai):
     import json
 

@@ -210,6 +210,10 @@ def test_members_of_any_name_and_tuples(text, ok):
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}},
      "schema.properties.a.pattern: lookarounds"),
     ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "minLength and maxLength"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1.2, "maximum": 1.8}}},
+     "schema.properties.a: no integer of at most 16 digits meets its bounds"),
+    ({"type": "object", "properties": {"a": {"type": "number", "maximum": "9"}}},
+     "schema.properties.a.maximum: a number"),
 ])
 def test_schemas_it_cannot_follow_are_refused_with_where(schema, message):
     with pytest.raises(SchemaError, match=message.replace("$", r"\$").replace("(", r"\(")):
@@ -279,9 +283,9 @@ def test_constrained_strings_against_the_reference():
         assert accepts(text, machine) == expected, text
 
 
-def test_masks_inside_constrained_strings_are_exactly_the_tokens_the_machine_takes():
+def test_masks_inside_constrained_values_are_exactly_the_tokens_the_machine_takes():
     """The trie takes a subtree of plain text whole only where the string has room for its
-    longest text: a maxLength string's masks checked against every token."""
+    longest text: a maxLength string's masks checked against every token, and a bounded number's."""
     tokenizer = load_tokenizer(WORLD_VOCAB)
     strings = JsonGrammar(tokenizer).constraint(json.dumps(STRINGS))
     every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
@@ -292,9 +296,14 @@ def test_masks_inside_constrained_strings_are_exactly_the_tokens_the_machine_tak
         state = advance(strings.start, prefix.encode(), strings.machine)
         assert state is not None, prefix
         assert set(strings.allowed(state)) == {t for t, data in every if strings.advance(state, t) is not None}, prefix
+    unit = JsonGrammar(tokenizer).constraint(json.dumps({"type": "object", "required": ["p"], "properties": {
+        "p": {"type": "number", "minimum": 0, "maximum": 1}}}))  # a bounded number's masks too
+    for prefix in ['{"p": ', '{"p": 0', '{"p": 0.', '{"p": 1', '{"p": 0.25']:
+        state = advance(unit.start, prefix.encode(), unit.machine)
+        assert set(unit.allowed(state)) == {t for t, data in every if unit.advance(state, t) is not None}, prefix
 
 
-def test_a_pydantic_model_with_constrained_strings_validates_what_the_machine_writes():
+def test_a_pydantic_model_with_constrained_values_validates_what_the_machine_writes():
     """What `client.chat.completions.parse` checks: texts drawn token by token among the allowed
     ones (a random model's worst case) validate as the model once their object closes."""
     import datetime
@@ -309,6 +318,8 @@ def test_a_pydantic_model_with_constrained_strings_validates_what_the_machine_wr
         due: datetime.date
         id: uuid.UUID
         host: IPvAnyAddress = Field(json_schema_extra={"format": "ipv4"})
+        priority: int = Field(ge=1, le=5)
+        score: float = Field(gt=0, le=1)
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
     tickets = JsonGrammar(tokenizer).constraint(json.dumps(Ticket.model_json_schema()))
@@ -324,3 +335,54 @@ def test_a_pydantic_model_with_constrained_strings_validates_what_the_machine_wr
                 closed += 1
                 break
     assert closed >= 3
+
+
+BOUNDED = [
+    {"type": "integer", "minimum": 0, "maximum": 100},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "integer", "exclusiveMinimum": -3, "maximum": -1},
+    {"type": "number", "minimum": 2.5},
+    {"type": "integer", "minimum": 10, "maximum": 12},
+    {"type": "number", "maximum": -0.125, "exclusiveMinimum": -0.5},
+    {"type": "integer", "minimum": 3, "exclusiveMinimum": True, "maximum": 5},  # draft 4: > 3
+]
+
+
+def _in_bounds(value, schema: dict) -> bool:
+    if schema.get("exclusiveMinimum") is True:
+        schema = {**schema, "exclusiveMinimum": schema.pop("minimum")}
+    return ((schema["type"] == "number" or type(value) is int) and value >= schema.get("minimum", value)
+            and value <= schema.get("maximum", value) and value > schema.get("exclusiveMinimum", value - 1)
+            and value < schema.get("exclusiveMaximum", value + 1))
+
+
+@pytest.mark.parametrize("bounded", BOUNDED)
+def test_bounded_numbers_are_accepted_exactly_within_their_bounds(bounded):
+    """Numbers of every form near each bound against the bounds read plainly; an exponent is
+    refused wherever bounds are given."""
+    from fractions import Fraction
+
+    machine = SchemaMachine(json.dumps({"type": "object", "properties": {"x": bounded}, "required": ["x"]}))
+    texts = {"0", "-0", "1", "-1", "0.5", "1.0", "100", "101", "-3", "-2", "1e1", "2.4999", "2.5", "-0.125",
+             "-0.1250001", "-0.5", "-0.4999999", "12", "13", "9", "3", "4", "5", "6", "0.0000000000000001"}
+    for text in sorted(texts):
+        value = json.loads(text)
+        expected = "e" not in text and _in_bounds(Fraction(text) if isinstance(value, float) else value, dict(bounded))
+        assert accepts(f'{{"x": {text}}}'.encode(), machine) == expected, (bounded, text)
+
+
+@pytest.mark.parametrize("bounded", BOUNDED)
+def test_a_bounded_numbers_every_prefix_can_be_completed(bounded):
+    """No dead end: from every state a random walk reaches, some byte goes on, and the walk
+    always ends in a number within the bounds (a row is never left with every token banned)."""
+    machine = SchemaMachine(json.dumps({"type": "object", "properties": {"x": bounded}, "required": ["x"]}))
+    rng = random.Random(0)
+    for _ in range(200):
+        state, text = advance(machine.start, b'{"x": ', machine), ""
+        while not machine.done(state):
+            options = [c for c in "-0123456789.e}" if machine.step(state, ord(c)) is not None]
+            assert options and len(text) < 40, (bounded, text)
+            c = rng.choice(options)
+            state, text = machine.step(state, ord(c)), text + c
+        assert _in_bounds(json.loads(text[:-1]), dict(bounded)), (bounded, text)
