@@ -2,8 +2,9 @@
 
 1. The constraints alone, for the World vocabulary (65,536 tokens) and the demo model's (4,096):
    the grammar's build (the tokens' trie), then for each kind of constraint (any object; a schema
-   pydantic writes for a model with a list of nested objects, a dict and an optional field;
-   tool_choice "auto" over two tools) random texts it allows, drawn a token at a time uniformly
+   pydantic writes for a model with a list of nested objects, a dict and an optional field; one
+   with a pattern, a length, a date-time, bounded numbers and a uuid; tool_choice "auto" over two
+   tools; up to 8 parallel calls of them) random texts it allows, drawn a token at a time uniformly
    among the allowed ones (a random model's worst case: more states than a trained model's), up
    to 200 tokens each: masks made and their cost, and the cost of advancing a state by a token.
 2. The engine on the CPU with the demo model (no Ray), in a steady state (bench/engine_cpu.py's:
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import random
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,10 +64,21 @@ TOOLS = {"anyOf": [
     {"type": "object", "required": ["name", "arguments"], "additionalProperties": False, "properties": {
         "name": {"const": "search"}, "arguments": {"type": "object", "properties": {"query": {"type": "string"}}}}},
 ]}
+class Booking(BaseModel):
+    code: str = Field(pattern=r"^[A-Z]{3}-\d{4}$")
+    guest: str = Field(min_length=1, max_length=40)
+    arrives: datetime.datetime
+    nights: int = Field(ge=1, le=30)
+    rating: float = Field(ge=0, le=5)
+    id: uuid.UUID
+
+
 KINDS = {  # label -> SamplingParams fields
     "any object": {"json_object": True},
     "a schema (pydantic)": {"json_schema": json.dumps(Order.model_json_schema())},
+    "constrained values (pydantic)": {"json_schema": json.dumps(Booking.model_json_schema())},
     'tool_choice "auto"': {"json_schema": json.dumps(TOOLS), "json_or_text": True},
+    "parallel tool calls": {"json_schema": json.dumps(TOOLS), "json_texts": 8},
 }
 
 
@@ -79,7 +93,8 @@ def constraints(vocab: str, texts: int) -> list[dict]:
     build = time.perf_counter() - started
     rows = []
     for label, fields in KINDS.items():
-        constraint = grammar.constraint(fields.get("json_schema"), fields.get("json_or_text", False))
+        constraint = grammar.constraint(fields.get("json_schema"), fields.get("json_or_text", False),
+                                        fields.get("json_texts", 1))
         rng, advance_s, tokens, ended = random.Random(0), 0.0, 0, 0
         grammar.stats.clear()
         for _ in range(texts):
