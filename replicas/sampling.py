@@ -42,6 +42,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 is off
+    min_p: float = 0.0  # keep tokens at least this likely relative to the best (after temperature); 0 is off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_decay: float = 0.996  # counts are multiplied by this every step
@@ -75,6 +76,7 @@ class SamplingParams:
             (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (off) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (0.0 < self.penalty_decay <= 1.0, "penalty_decay must be in (0, 1]"),
@@ -267,7 +269,9 @@ def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> Te
 
 
 def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]) -> Tensor:
-    """Temperature, top-k, top-p, then the inverse CDF at each row's uniform number.
+    """Temperature, min-p, top-k, top-p (over what min-p kept, as vLLM orders them), then the
+    inverse CDF at each row's uniform number. Min-p drops the tokens whose integer mass is under
+    min_mass(min_p), so it needs no cut-off of its own.
 
     Truncation only finds each row's smallest kept logit; the CDF is always taken in vocabulary
     order, over the kept tokens' integer masses, so a row's token never depends on what its
@@ -277,6 +281,8 @@ def _sample_rows(x: Tensor, params: Sequence[SamplingParams], uniforms: Sequence
     device = x.device
     x = x / upload([p.temperature for p in params], device)[:, None]
     mass = _masses(x, x.amax(-1, keepdim=True))
+    if any(p.min_p > 0.0 for p in params):
+        mass.masked_fill_(mass < upload([min_mass(p.min_p) for p in params], device)[:, None], 0)
     k = [p.top_k if 0 < p.top_k < V else V for p in params]
     if any(kk < V for kk in k) or any(p.top_p < 1.0 for p in params):
         mass.masked_fill_(x < _cutoffs(x, mass, k, [p.top_p for p in params]), 0)
@@ -324,6 +330,11 @@ def _cutoffs(x: Tensor, mass: Tensor, k: list[int], top_p: list[float]) -> Tenso
         counted = any(width < kk < V for kk in k)  # those rows are never decided in the window
         cut[rows] = _radix_cutoffs(x[rows], mass[rows], window.k[rows], window.p[rows], total[rows], counted)
     return cut
+
+
+def min_mass(min_p: float) -> int:
+    """The least integer mass min-p keeps (the best token weighs MASS_SCALE, so it always stays)."""
+    return math.ceil(min_p * MASS_SCALE)
 
 
 def _masses(x: Tensor, top: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
-"""The sampler's choice in one launch on a CUDA device: penalties, argmax or temperature, top-k,
-top-p, the inverse CDF, and the penalty counts' update, for every row of a batch.
+"""The sampler's choice in one launch on a CUDA device: penalties, argmax or temperature, min-p,
+top-k, top-p, the inverse CDF, and the penalty counts' update, for every row of a batch.
 
 Computes exactly what sampling.py's torch lines define (they are its reference, and tests/gpu
 holds the two against each other); decides nothing of its own. Those lines cost about 130
@@ -27,13 +27,13 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
-from .sampling import _LOWEST, MASS_SCALE, SamplingParams, upload
+from .sampling import _LOWEST, MASS_SCALE, SamplingParams, min_mass, upload
 
 BLOCK = 4096  # tokens a program reads at once (these four: bench sweeps on the H200, 12-01n)
 BITS = 2  # key bits a search settles a pass: 2**BITS candidates a pass, 32 / BITS passes
 WARPS = 16
 STAGES = 2  # the searches' loads in flight ahead of their use (Triton's software pipelining)
-_FIELDS = 8  # a slot's parameters, as float64: see SlotParams.row
+_FIELDS = 9  # a slot's parameters, as float64: see SlotParams.row
 _SCALE = tl.constexpr(MASS_SCALE)
 _KEY_OF_MINUS_INF = tl.constexpr(_LOWEST)
 _INT32_MIN, _INT32_MAX, _INT64_MAX = tl.constexpr(-(2**31)), tl.constexpr(2**31 - 1), tl.constexpr(2**63 - 1)
@@ -64,7 +64,7 @@ class SlotParams:
         to float32 there as torch.tensor rounds it in the torch lines."""
         top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         return (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.penalty_decay, top_k,
-                p.greedy, p.penalized)
+                p.greedy, p.penalized, min_mass(p.min_p))
 
 
 def sample(x: Tensor, counts: Tensor, table: Tensor, slots: Sequence[int], params: Sequence[SamplingParams],
@@ -148,6 +148,7 @@ def _sample_kernel(X, KEYS, MASSES, COUNTS, TABLE, ROWS, TOKENS, B, V: tl.conste
     top_k = tl.load(P + 5).to(tl.int64)
     greedy = tl.load(P + 6) != 0
     penalized = tl.load(P + 7) != 0
+    least = tl.load(P + 8).to(tl.int32)  # min-p's least mass (sampling.min_mass; 0: off)
     Xr, Kr, Mr = X + row.to(tl.int64) * V, KEYS + row.to(tl.int64) * V, MASSES + row.to(tl.int64) * V
     Cr = COUNTS + slot * V
     offs = tl.arange(0, BLOCK)
@@ -180,6 +181,7 @@ def _sample_kernel(X, KEYS, MASSES, COUNTS, TABLE, ROWS, TOKENS, B, V: tl.conste
             bits = y.to(tl.int32, bitcast=True)
             tl.store(Kr + idx, tl.where(bits < 0, _INT32_MIN - bits, bits), mask=inside)
             mass = tl.floor(_exp(tl.maximum(y - top, -80.0), INTERPRET) * _SCALE + 0.5).to(tl.int32)
+            mass = tl.where(mass < least, 0, mass)  # min-p
             tl.store(Mr + idx, mass, mask=inside)
             masses += tl.where(inside, mass, 0)
         total = tl.sum(masses, axis=0)

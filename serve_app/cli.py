@@ -50,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         except InitStateError as err:
             raise CliError(f"--state {args.state}: {err}") from None
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, stop=tuple(args.stop or ()), json_object=args.json, json_schema=schema,
     )
     params.validate(runner.vocab_size)
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     generate.add_argument("--top-p", type=float, default=0.8)
     generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this likely as the best")
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")

@@ -6,8 +6,8 @@ and the mapping from request fields to the engine's `SamplingParams`. Never touc
 model or Ray.
 
 RWKV extensions to the request (all optional): `init_state` (the id or name of a loaded init
-state to start from), `top_k`, `penalty_decay`, `stop_token_ids`, `ignore_eos`; and chat's
-`response_format` on completions too.
+state to start from), `top_k`, `min_p` (vLLM's), `penalty_decay`, `stop_token_ids`, `ignore_eos`;
+and chat's `response_format` on completions too.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     init_state: str | None = Field(None, description="id or name of a loaded init state to start from")
     top_k: int | None = Field(None, description="RWKV extension: keep the k most likely tokens (0 is off)")
+    min_p: float | None = Field(None, description="extension (vLLM's): keep the tokens at least min_p times as "
+                                "likely as the best (0 is off)")
     penalty_decay: float | None = Field(None, description="RWKV extension: penalty counts decay by this per token")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -490,6 +492,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         temperature=_or(req.temperature, 1.0),
         top_p=_or(req.top_p, 1.0),
         top_k=_or(req.top_k, 0),
+        min_p=_or(req.min_p, 0.0),
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         penalty_decay=_or(req.penalty_decay, 0.996),

@@ -34,6 +34,9 @@ PARAMS = [
     SamplingParams(temperature=0.5, top_p=1e-6),  # the best token alone
     SamplingParams(temperature=0.0, presence_penalty=2.0, penalty_decay=0.5),
     SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.9, min_p=0.02, top_p=0.9, top_k=300),  # min-p, then the others over its
+    SamplingParams(temperature=1.0, min_p=1.0),  # the best (and its ties) alone
 ]
 
 

@@ -38,8 +38,10 @@ def test_chat_whole_and_streamed(oai):
 
 def test_extensions_through_extra_body_and_errors(oai):
     chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                       extra_body={"top_k": 5, "penalty_decay": 0.9})
+                                       extra_body={"top_k": 5, "min_p": 0.1, "penalty_decay": 0.9})
     assert chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"min_p": 1.5})
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError):

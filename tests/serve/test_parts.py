@@ -160,9 +160,9 @@ def test_usage_counts_a_prompt_once_for_its_n_choices():
 
 
 def test_request_fields_map_to_sampling_params():
-    body = CompletionRequest(prompt="x", stop="END", logit_bias={"5": 2.5}, temperature=0, top_k=3)
+    body = CompletionRequest(prompt="x", stop="END", logit_bias={"5": 2.5}, temperature=0, top_k=3, min_p=0.25)
     params = sampling_params(body, 9, ["\n\n"], None)
-    assert params.stop == ("END", "\n\n") and params.logit_bias == {5: 2.5}
+    assert params.stop == ("END", "\n\n") and params.logit_bias == {5: 2.5} and params.min_p == 0.25
     assert (params.max_tokens, params.temperature, params.top_k, params.top_p) == (9, 0, 3, 1.0)
     with pytest.raises(ApiError):
         sampling_params(CompletionRequest(prompt="x", logit_bias={"a": 1}), 1, [], None)

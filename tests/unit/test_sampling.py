@@ -41,11 +41,32 @@ def test_inverse_cdf_follows_the_distribution():
     assert (freq - probs).abs().max() < 2e-3
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best_then_top_p_over_them():
+    """Min-p first (vLLM's order): the tokens under min_p times the best's probability are never
+    drawn, those above are drawn in proportion; top-p then cuts within what min-p kept."""
+    x = logits(1, 5)
+    probs = torch.softmax(x[0], -1)
+    kept = probs >= 0.05 * probs.max()
+    s = Sampler(1, V)
+    picks = [s.sample(x, [0], [SamplingParams(min_p=0.05)], [(i + 0.5) / 2000]).tokens[0] for i in range(2000)]
+    freq = torch.bincount(torch.tensor(picks), minlength=V).float() / 2000
+    assert set(picks) == set(kept.nonzero()[:, 0].tolist())
+    assert (freq - torch.where(kept, probs, 0) / probs[kept].sum()).abs().max() < 2e-3
+    for u in (0.0, 0.5, 0.999):  # min_p 1: the best alone
+        assert s.sample(x, [0], [SamplingParams(min_p=1.0)], [u]).tokens == [int(x.argmax())]
+    order = probs.argsort(descending=True)
+    nucleus = torch.where(kept, probs, 0)[order].cumsum(0) / probs[kept].sum()  # top-p 0.5 within min-p's
+    expected = {int(t) for t, before in zip(order, nucleus - torch.where(kept, probs, 0)[order] / probs[kept].sum(),
+                                           strict=True) if kept[t] and before < 0.5}
+    picks = {s.sample(x, [0], [SamplingParams(min_p=0.05, top_p=0.5)], [(i + 0.5) / 500]).tokens[0] for i in range(500)}
+    assert picks == expected
+
+
 def test_a_row_does_not_depend_on_its_batch():
     x = logits(6, 3)
     s = Sampler(6, V)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20), SamplingParams(temperature=0.0),
-              SamplingParams(top_k=5), SamplingParams(temperature=1.5), SamplingParams(top_p=0.5),
+              SamplingParams(top_k=5), SamplingParams(temperature=1.5, min_p=0.1), SamplingParams(top_p=0.5),
               SamplingParams(logit_bias={3: 2.0})]
     uniforms = [0.11, 0.22, 0.33, 0.44, 0.55, 0.66]
     together = s.sample(x, range(6), params, uniforms).tokens
@@ -100,7 +121,7 @@ def test_a_choice_gives_its_tokens_before_they_are_read():
 @pytest.mark.parametrize("bad", [
     {"temperature": 3.0}, {"top_p": 0.0}, {"top_k": -1}, {"max_tokens": 0}, {"presence_penalty": 5.0},
     {"stop": ("",)}, {"logprobs": 21}, {"logit_bias": {V: 1.0}}, {"logit_bias": {1: 500.0}},
-    {"stop_token_ids": (V,)}, {"penalty_decay": 0.0},
+    {"stop_token_ids": (V,)}, {"penalty_decay": 0.0}, {"min_p": -0.1}, {"min_p": 1.5},
 ])
 def test_validation_names_the_bad_field(bad):
     with pytest.raises(InvalidRequest):
