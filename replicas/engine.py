@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field
 from torch import Tensor
 
 from .init_states import InitState, InitStateError
-from .json_grammar import Constraint, JsonGrammar
+from .json_grammar import Constraint, GrammarError, JsonGrammar
 from .model.state import RNNState
 from .output import OutputStream
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
@@ -347,15 +347,19 @@ class Engine:
     def enqueue(self, request: Request, stream: Stream) -> None:
         """Queues a request that `validate_request` has passed (an engine process's requests were
         checked in the replica's) whose events go to `stream` (its uid new to this engine);
-        raises UnknownInitState or EngineBusy."""
+        raises UnknownInitState, InvalidRequest (JSON mode on a tokenizer that cannot write it) or
+        EngineBusy."""
         init = self.resolve_init_state(request.init_state)
+        p = request.params
+        try:
+            output = OutputStream(self.tokenizer, p, self._constraint(p) if p.json_mode else None)
+        except GrammarError as err:
+            raise InvalidRequest(str(err)) from None
         with self._lock:
             if self._in_flight >= self.config.max_slots + self.config.max_waiting:
                 self.stats["busy_refusals"] += 1
                 raise EngineBusy()
             self._in_flight += 1
-        p = request.params
-        output = OutputStream(self.tokenizer, p, self._constraint(p) if p.json_mode else None)
         row = _Row(stream.uid, request, stream, init, output, random.Random(p.seed))
         self._send(("submit", row))
 

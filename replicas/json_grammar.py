@@ -56,6 +56,7 @@ N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_E, N_ESIGN, N_EXP = range(10, 18)
 LITERAL = 18
 
 START_STATE: State = (b"", START, 0)
+JSON_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A}  # the bytes a machine may need a token of its own for
 WS = frozenset(b" \t\n\r")  # (\r is refused: newlines are \n)
 DIGITS = frozenset(b"0123456789")
 HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
@@ -367,6 +368,10 @@ class Constraint:
         return bits
 
 
+class GrammarError(ValueError):
+    """JSON mode cannot run with this tokenizer; the message is for the client."""
+
+
 class JsonGrammar:
     """A tokenizer's tokens as a trie, and the constraints over it: one for any JSON object, one a
     JSON schema (the last MEMO_SCHEMAS kept). Built once per engine, at its first request in JSON
@@ -377,14 +382,22 @@ class JsonGrammar:
         self.device = torch.device(device)
         self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.trie = _Trie(self.token_bytes)
+        # a machine may need any of these next, alone: without a token of its own a row could meet
+        # a state that no token continues
+        self.missing = bytes(sorted(JSON_BYTES - {data[0] for data in self.token_bytes if len(data) == 1}))
         self._constraints: OrderedDict[tuple[str | None, bool, int], Constraint] = OrderedDict()
         self.stats: Counter[str] = Counter()  # masks made, and the time that took (the engine's counters show them)
 
     def constraint(self, schema: str | None = None, or_text: bool = False, most: int = 1) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises
         SchemaError for one it cannot follow). most > 1: up to that many, a line each (Several).
-        or_text: that, or text that does not open with "{"."""
+        or_text: that, or text that does not open with "{". Raises GrammarError where the
+        tokenizer lacks a single-byte token a machine may need."""
         from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
+
+        if self.missing:
+            raise GrammarError(f"JSON mode needs a token for each printable ASCII byte, newline and tab; this "
+                               f"model's tokenizer has none for {self.missing.decode()!r}")
 
         def make() -> Constraint:
             machine: Machine = ObjectMachine() if schema is None else SchemaMachine(schema)

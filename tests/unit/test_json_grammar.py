@@ -235,3 +235,23 @@ def test_several_takes_up_to_most_texts_a_line_each_and_ends_at_a_blank_line(wor
 def test_surrogate_escapes_come_in_whole_pairs(text, ok):
     """pydantic's JSON (what the OpenAI SDK's parse() validates with) refuses half a pair."""
     assert accepts(text) == ok
+
+
+def test_a_tokenizer_without_a_token_for_each_json_byte_is_refused_with_what_it_lacks(world):
+    """A row could meet a state that only a missing byte continues: JSON mode is refused up front
+    (the engine answers InvalidRequest, a 400), naming the bytes."""
+    tokenizer, _ = world
+
+    class Without:  # the World tokenizer less its single-byte "{" and "~" tokens
+        vocab_size = tokenizer.vocab_size
+
+        @staticmethod
+        def token_bytes(token: int) -> bytes:
+            data = tokenizer.token_bytes(token)
+            if data in (b"{", b"~"):
+                raise ValueError("no such token")
+            return data
+
+    with pytest.raises(jg.GrammarError, match=r"has none for '\{~'"):
+        JsonGrammar(Without()).constraint()
+    assert JsonGrammar(tokenizer).missing == b""
