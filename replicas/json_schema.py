@@ -279,7 +279,7 @@ class SchemaMachine:
         if not any(_meets(low, high, bounds, integer) for low, high in _reachable(text, integer)):
             return []
         element = (frames, (BNUM, at, after[0], after[1], text))
-        value = Fraction(text.decode()) if after[0] in jg.NUMBER_ENDS else None
+        value = _scaled(text) if after[0] in jg.NUMBER_ENDS else None
         whole = value is not None and _meets(value, value, bounds, integer)
         return [element, _complete(frames)] if whole else [element]
 
@@ -455,68 +455,78 @@ class SchemaMachine:
         return node[0] == OBJECT or (node[0] == LITERALS and all(t.startswith(b"{") for t in node[1]))
 
 
-Bounds = tuple[Fraction | None, bool, Fraction | None, bool]  # low, low exclusive, high, high exclusive
-GRID = Fraction(1, 10 ** jg.MAX_DIGITS[jg.N_FRAC])  # the least step between numbers the machine writes
+SCALE = 10 ** jg.MAX_DIGITS[jg.N_FRAC]  # a number's value in units of its least step (1e-16): exact integers
+Bounds = tuple[int | None, int | None]  # the least and the most value allowed, in SCALE units (None: open)
 
 
 def _bounds(schema: dict, where: str) -> Bounds | None:
-    """minimum, exclusiveMinimum, maximum, exclusiveMaximum (numbers, or draft 4's booleans)."""
+    """minimum, exclusiveMinimum, maximum, exclusiveMaximum (numbers, or draft 4's booleans), as
+    the least and the most value on the grid of SCALE that they allow."""
     if not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
         return None
-    sides = []
-    for inclusive, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+    ends: list[int | None] = []
+    for inclusive, exclusive, lower in (("minimum", "exclusiveMinimum", True), ("maximum", "exclusiveMaximum", False)):
         value, strict = schema.get(inclusive), schema.get(exclusive)
         if isinstance(strict, bool):  # draft 4: exclusiveMinimum true qualifies minimum
             strict, value = (value if strict else None), (None if strict else value)
-        for v in (value, strict):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+        end = None
+        for bound, excl in ((value, False), (strict, True)):
+            if bound is None:
+                continue
+            if isinstance(bound, bool) or not isinstance(bound, int | float):
                 raise SchemaError(f"{where}.{inclusive}: a number")
-        bound, excl = (Fraction(str(strict)), True) if strict is not None else (
-            (Fraction(str(value)), False) if value is not None else (None, False))
-        if value is not None and strict is not None:  # both: the tighter
-            other = Fraction(str(value))
-            tighter = other > bound if inclusive == "minimum" else other < bound
-            bound, excl = (other, False) if tighter else (bound, True)
-        sides += [bound, excl]
-    return (sides[0], sides[1], sides[2], sides[3])
+            scaled = Fraction(str(bound)) * SCALE
+            on_grid = math.ceil(scaled) if lower else math.floor(scaled)
+            if excl and on_grid == scaled:
+                on_grid += 1 if lower else -1
+            end = on_grid if end is None else (max(end, on_grid) if lower else min(end, on_grid))  # the tighter
+        ends.append(end)
+    return (ends[0], ends[1])
 
 
-def _meets(low: Fraction, high: Fraction, bounds: Bounds, integer: bool) -> bool:
-    """Whether a number on the grid (GRID, or 1 for integers) within [low, high] (themselves on
-    it) is within the bounds."""
-    lo, lo_x, hi, hi_x = bounds
-    grid = Fraction(1) if integer else GRID
-    if lo is not None:
-        first = max(low, math.ceil(lo / grid) * grid)
-        low = first + grid if lo_x and first == lo else first
-    if hi is not None:
-        last = min(high, math.floor(hi / grid) * grid)
-        high = last - grid if hi_x and last == hi else last
+def _meets(low: int, high: int, bounds: Bounds, integer: bool) -> bool:
+    """Whether a value within [low, high] (SCALE units, on the grid) is within the bounds; for an
+    integer, a multiple of SCALE."""
+    least, most = bounds
+    if least is not None:
+        low = max(low, least)
+    if most is not None:
+        high = min(high, most)
+    if integer:
+        low = -(-low // SCALE) * SCALE
     return low <= high
 
 
-def _reachable(text: bytes, integer: bool) -> list[tuple[Fraction, Fraction]]:
-    """Closed intervals on GRID that hold every value a number's text (a prefix: "", "-", "12.",
-    ...) may still come to, itself included when whole, within json_grammar's digits and without
-    an exponent."""
+def _reachable(text: bytes, integer: bool) -> list[tuple[int, int]]:
+    """Closed intervals (SCALE units) that hold every value a number's text (a prefix: "", "-",
+    "12.", ...) may still come to, itself included when whole, within json_grammar's digits and
+    without an exponent."""
     negative = text.startswith(b"-")
     whole, dot, fraction = text[negative:].partition(b".")
-    most_int, most_frac = jg.MAX_DIGITS[jg.N_INT], jg.MAX_DIGITS[jg.N_FRAC]
-    tail = 1 if integer else 1 - GRID  # the most that digits after a point add below 1
+    most_int = jg.MAX_DIGITS[jg.N_INT]
+    tail = 0 if integer else SCALE - 1  # the most that digits after a point add (below 1)
     if not whole:
-        spans = [(Fraction(0), 10 ** most_int - 1 + (0 if integer else tail))]
+        spans = [(0, (10 ** most_int - 1) * SCALE + tail)]
     elif dot:
-        start = Fraction(int(whole + fraction), 10 ** len(fraction))
-        room = Fraction(1, 10 ** len(fraction)) - GRID if len(fraction) < most_frac else 0
-        spans = [(start, start + room)]
+        step = SCALE // 10 ** len(fraction)  # the value of the fraction's last digit
+        start = int(whole + fraction) * step if fraction else int(whole) * SCALE
+        spans = [(start, start + step - 1)]
     elif whole == b"0":
-        spans = [(Fraction(0), Fraction(0) if integer else tail)]
+        spans = [(0, tail)]
     else:
         n = int(whole)
-        spans = [(Fraction(n), n + (0 if integer else tail))]
-        spans += [(Fraction(n * 10 ** k), (n + 1) * 10 ** k - (1 if integer else GRID))
+        spans = [(n * SCALE, n * SCALE + tail)]
+        spans += [(n * 10 ** k * SCALE, (n + 1) * 10 ** k * SCALE - (SCALE if integer else 1))
                   for k in range(1, most_int - len(whole) + 1)]
     return [(-high, -low) for low, high in spans] if negative else spans
+
+
+def _scaled(text: bytes) -> int:
+    """A whole number's text (no exponent) in SCALE units."""
+    negative = text.startswith(b"-")
+    whole, _, fraction = text[negative:].partition(b".")
+    value = int(whole) * SCALE + (int(fraction) * (SCALE // 10 ** len(fraction)) if fraction else 0)
+    return -value if negative else value
 
 
 def _count(value: Any) -> bool:
