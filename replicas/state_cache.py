@@ -219,7 +219,8 @@ class _PinnedPlaces:
     from it) free meanwhile."""
 
     def __init__(self, limit_bytes: int):
-        self.limit = limit_bytes  # no slab is pinned beyond this many bytes
+        self.limit = limit_bytes  # the tier's budget: no more places than its snapshots can fill
+        self.places = 0  # places pinned
         self.slabs: list[Tensor] = []
         self.free: dict[tuple, list[Tensor]] = {}  # snapshot layout -> free places (uint8 views of slabs)
         self.pinned = 0  # bytes of self.slabs
@@ -228,15 +229,15 @@ class _PinnedPlaces:
 
     def reserve(self, like: Snapshot) -> None:
         """Pins places for snapshots like `like` up to the limit."""
-        size, free = self._size(like), self.free.setdefault(_layout(like), [])
-        while self._pin(size, free):
+        free = self.free.setdefault(_layout(like), [])
+        while self._pin(like, free):
             pass
 
     def take(self, like: Snapshot) -> tuple[Snapshot, Tensor] | None:
         """Empty host tensors shaped like `like`'s in a pinned place, and the place; None when the
         limit is reached (the caller then copies to ordinary memory)."""
         free = self.free.setdefault(_layout(like), [])
-        if not free and not self._pin(self._size(like), free):
+        if not free and not self._pin(like, free):
             return None
         place, views, at = free.pop(), [], 0
         for t in like.tensors():
@@ -255,23 +256,26 @@ class _PinnedPlaces:
             _spare_slabs.setdefault(slab.numel(), []).append(slab)
         self.slabs.clear()
         self.free.clear()
-        self.pinned = 0
+        self.pinned = self.places = 0
 
     @staticmethod
     def _size(like: Snapshot) -> int:
         return sum(_aligned(t) for t in like.tensors())
 
-    def _pin(self, size: int, free: list[Tensor]) -> bool:
-        """One more slab of places of `size` bytes into `free` (a spare one if the process has
-        it); False at the limit, or once pinning has failed (the host out of memory to lock, which
-        a retry would meet again): demotions then copy synchronously to ordinary memory."""
-        if self.failed or self.pinned >= self.limit:
+    def _pin(self, like: Snapshot, free: list[Tensor]) -> bool:
+        """One more slab of places for snapshots like `like` into `free` (a spare one if the
+        process has it): SLAB_PLACES, or fewer where the budget holds fewer snapshots more; False
+        at the limit, or once pinning has failed (the host out of memory to lock, which a retry
+        would meet again): demotions then copy synchronously to ordinary memory."""
+        count = min(SLAB_PLACES, self.limit // like.nbytes - self.places)
+        if self.failed or count <= 0:
             return False
-        spares = _spare_slabs.get(SLAB_PLACES * size)
+        size = self._size(like)
+        spares = _spare_slabs.get(count * size)
         if spares:
             slab = spares.pop()
         else:
-            slab = torch.empty(SLAB_PLACES * size, dtype=torch.uint8)
+            slab = torch.empty(count * size, dtype=torch.uint8)
             error = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.numel(), HOST_REGISTER_PORTABLE)
             if int(error) != 0:
                 self.failed = True
@@ -281,7 +285,8 @@ class _PinnedPlaces:
                 return False
         self.slabs.append(slab)
         self.pinned += slab.numel()
-        free.extend(slab[i * size:(i + 1) * size] for i in range(SLAB_PLACES))
+        self.places += count
+        free.extend(slab[i * size:(i + 1) * size] for i in range(count))
         return True
 
 

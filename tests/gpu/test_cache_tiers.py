@@ -84,3 +84,18 @@ def test_a_reserved_host_tier_pins_nothing_more_and_its_slabs_pass_to_the_next_c
     again.insert("", [2], snap(2))
     assert same(again.export("", [1])[0], 1)
     again.clear()
+
+
+def test_the_pinned_places_are_as_many_as_the_host_budget_holds_snapshots():
+    """A budget of two slabs and a half pins two slabs and one of half the places: the pinned
+    bytes pass the budget only by the places' alignment, never by a slab."""
+    places = 2 * SLAB_PLACES + SLAB_PLACES // 2
+    cache = PrefixStateCache(SIZE, places * SIZE + SIZE // 2, "cuda")
+    pinned = cache.reserve_host(snap(0))
+    assert [slab.numel() // (pinned // places) for slab in cache._places.slabs] == [
+        SLAB_PLACES, SLAB_PLACES, SLAB_PLACES // 2]
+    assert cache._places.places == places and places * SIZE <= pinned < places * (SIZE + 256 * 4)
+    for key in range(places + 3):  # every demotion finds a pinned place until the host tier evicts
+        cache.insert("", [key], snap(key))
+    assert all(entry.place is not None for entry in cache.lru["host"].values())
+    cache.clear()
