@@ -387,8 +387,28 @@ class AssistantMessage(_CallsWhenMade):
     tool_calls: list[ToolCall] | None = None
 
 
-class ToolCallDelta(ToolCall):
-    index: int = 0
+class _OnlyWhatCame(BaseModel):
+    """Fields left None are left out, as in OpenAI's streamed calls (whose clients merge each
+    delta into the call: a null would overwrite what came before)."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionDelta(_OnlyWhatCame):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_OnlyWhatCame):
+    """A streamed call's part: its id, type and name once (with the arguments' first text), then
+    more of its arguments' text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class ChatChoice(BaseModel):

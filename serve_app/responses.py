@@ -9,6 +9,7 @@ Never touches Ray, HTTP or tokens.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +34,7 @@ from .protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionDelta,
     PromptTokensDetails,
     ToolCall,
     ToolCallDelta,
@@ -153,14 +155,15 @@ class ChatFormat(_Format):
 
     def __init__(self, model: str, count: int, logprobs: bool, tool_call: bool = False, or_text: bool = False):
         """tool_call: each choice's text is tool calls' JSON ({"name", "arguments"}, a line each),
-        given as `tool_calls` with finish_reason "tool_calls" (streamed whole, as its choice ends); with
-        or_text, a choice whose text does not open with "{" is text, streamed as it comes."""
+        given as `tool_calls` with finish_reason "tool_calls"; streamed, each call's name comes
+        once its JSON has it, then its arguments' text as it comes (_CallScanner). With or_text,
+        a choice whose text does not open with "{" is text, streamed as it comes."""
         super().__init__("chatcmpl", model, count)
         self.logprobs = logprobs
         self.tool_call = tool_call
         self.or_text = or_text
         self._lead = [LeadingSpace() for _ in range(count)]
-        self._held = [""] * count  # a tool call's text until its choice ends
+        self._calls_of = [_CallScanner() for _ in range(count)]  # a streamed choice's calls so far
         self._text = [not tool_call] * count  # the choice streams as text
 
     def body(self, outcomes: Sequence[Outcome], usage: Usage) -> ChatCompletion:
@@ -190,24 +193,23 @@ class ChatFormat(_Format):
         return self._chunk([choice])
 
     def _tool_chunk(self, index: int, chunk: Chunk) -> ChatCompletionChunk | None:
-        """A tool call's text is held until its choice ends, then sent as the call (or as text,
-        where max_tokens or a stop string cut it short)."""
-        self._held[index] += chunk.text
-        opened = self._held[index].lstrip()
+        """Calls stream as their JSON comes. Where max_tokens or a stop string cut the reply before
+        any call's name, it is sent as text; after one, the choice ends with its own reason."""
+        scanner = self._calls_of[index]
+        opened = (scanner.text + chunk.text).lstrip()
         if self.or_text and opened and not opened.startswith("{"):  # text after all: it streams from here
             self._text[index] = True
-            return self.chunk(index, replace(chunk, text=self._held[index]))
-        if not chunk.finish_reason:
-            if not chunk.logprobs:
-                return None
-            logprobs = self._logprobs(chunk.logprobs)
-            return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs)])
-        calls = self._calls(self._held[index], chunk.finish_reason)
-        if calls is None:
-            delta, reason = ChatDelta(content=self._held[index].lstrip()), chunk.finish_reason
+            return self.chunk(index, replace(chunk, text=scanner.text + chunk.text))
+        deltas = scanner.feed(chunk.text)
+        reason = chunk.finish_reason
+        if reason is not None and not scanner.calls:
+            delta = ChatDelta(content=scanner.text.lstrip())
         else:
-            deltas = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(calls)]
-            delta, reason = ChatDelta(tool_calls=deltas), "tool_calls"
+            if reason == "stop" and scanner.whole():
+                reason = "tool_calls"
+            delta = ChatDelta(tool_calls=deltas or None)
+        if not (deltas or reason or chunk.logprobs):
+            return None
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=reason,
                                             logprobs=self._logprobs(chunk.logprobs))])
 
@@ -216,16 +218,12 @@ class ChatFormat(_Format):
         object, or several, a line each (parallel tool calls)."""
         if not self.tool_call or finish_reason != "stop":
             return None
-        calls, at = [], _skip_space(text, 0)
-        try:
-            while at < len(text):
-                value, at = _DECODER.raw_decode(text, at)
-                calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(
-                    name=value["name"], arguments=json.dumps(value["arguments"]))))
-                at = _skip_space(text, at)
-        except (ValueError, TypeError, KeyError):
+        scanner = _CallScanner()
+        scanner.feed(text)
+        if not scanner.calls or not scanner.whole():
             return None  # (a stop string of the request's cut it)
-        return calls or None
+        return [ToolCall(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments))
+                for call in scanner.calls]
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
@@ -241,13 +239,103 @@ class ChatFormat(_Format):
         ])
 
 
-_DECODER = json.JSONDecoder()
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""  # the arguments' JSON text, as the model wrote it
+    sent: int = -1  # how much of it a stream has had (-1: not even the call's name)
 
 
-def _skip_space(text: str, at: int) -> int:
-    while at < len(text) and text[at] in " \t\n\r":
-        at += 1
-    return at
+class _CallScanner:
+    """A reply of tool calls read as it comes: json_grammar.Several's form of {"name": ...,
+    "arguments": {...}} objects, a line each, which JSON mode has held the text to. Finds each
+    call's name once its header is whole, then the arguments' text up to where their value
+    closes (strings and nesting followed), then the call's close and the next line."""
+
+    HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[_Call] = []
+        self._at = 0  # text before this is read
+        self._part = "head"  # head, value, close, next, end
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def whole(self) -> bool:
+        """Every call read so far closed."""
+        return bool(self.calls) and self._part in ("next", "end")
+
+    def feed(self, piece: str) -> list[ToolCallDelta]:
+        """More of the reply's text -> each call's news since the last feed: its id and name once
+        (with its arguments' text so far), then more of its arguments' text."""
+        self.text += piece
+        while self._at < len(self.text) and self._read():
+            pass
+        news = []
+        for index, call in enumerate(self.calls):
+            if call.sent < 0:
+                news.append(ToolCallDelta(index=index, id=call.id, type="function",
+                                          function=FunctionDelta(name=call.name, arguments=call.arguments)))
+            elif call.sent < len(call.arguments):
+                news.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=call.arguments[call.sent:])))
+            call.sent = len(call.arguments)
+        return news
+
+    def _read(self) -> bool:
+        """Reads on from the current part; False where the text so far ends it."""
+        text, at = self.text, self._at
+        if self._part == "head":
+            header = self.HEADER.match(text, at)
+            if header is None or header.end() == len(text):  # (the value's first byte not come yet)
+                return False
+            self.calls.append(_Call(f"call_{uuid.uuid4().hex[:24]}", json.loads(header.group(1))))
+            self._at, self._part = header.end(), "value"
+        elif self._part == "value":
+            self._at = self._value(at)
+            self.calls[-1].arguments += text[at:self._at]
+        elif self._part == "close":  # whitespace, then the call's "}"
+            rest = text[at:].lstrip()
+            if not rest:
+                return False
+            self._at, self._part = len(text) - len(rest) + 1, "next"
+        elif self._part == "next":  # "\n" then "{" opens another call, a second "\n" ends the reply
+            if len(text) - at < 2:
+                return False
+            self._at, self._part = at + 1, "head" if text[at + 1] == "{" else "end"
+        else:
+            return False
+        return True
+
+    def _value(self, at: int) -> int:
+        """Reads the arguments' value from `at` as far as the text goes (where it closes, the next
+        part is the call's close); returns where it stopped."""
+        while at < len(self.text):
+            c = self.text[at]
+            at += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:  # a string's arguments (a schema may ask for one)
+                        self._part = "close"
+                        return at
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" and self._depth > 0:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._part = "close"
+                    return at
+            elif self._depth == 0 and c in " \t\n\r}":  # a number's or a literal's end
+                self._part = "close"
+                return at - 1
+        return at
 
 
 def _top(token: TokenText) -> TopLogprob:

@@ -25,6 +25,24 @@ def stream(client, path: str, **body) -> list[dict]:
         return sse_events(list(response.iter_lines()))
 
 
+def streamed_calls(events: list[dict]) -> list[dict]:
+    """A streamed choice's tool calls, put together as a client does: each call's id, type and
+    name from its first delta, its arguments' text from all of them, in order."""
+    calls: dict[int, dict] = {}
+    for event in events:
+        for delta in (event["choices"][0]["delta"].get("tool_calls") or []) if event["choices"] else []:
+            if delta["index"] not in calls:  # (a later delta has only the index and more arguments)
+                assert set(delta) == {"index", "id", "type", "function"} and set(delta["function"]) == {
+                    "name", "arguments"}
+                calls[delta["index"]] = {"id": delta["id"], "type": delta["type"],
+                                         "function": {"name": delta["function"]["name"], "arguments": ""}}
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    assert list(calls) == list(range(len(calls)))
+    return [calls[i] for i in range(len(calls))]
+
+
 def test_completion_has_openai_shape(client):
     body = complete(client, prompt="The quick brown fox", max_tokens=12, temperature=0)
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -316,9 +334,12 @@ def test_tool_calls_over_http(client):
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     (last,) = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert last["choices"][0]["finish_reason"] == "tool_calls"
-    (call,) = last["choices"][0]["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "paint"
+    (call,) = streamed_calls(events)
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == "paint"
     assert json.loads(call["function"]["arguments"])["color"] in ("red", "green")
+    whole = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "tool_choice": named,
+                                                      "max_tokens": 200, "seed": 6, "parallel_tool_calls": False})
+    assert [c["function"] for c in whole.json()["choices"][0]["message"]["tool_calls"]] == [call["function"]]
     assert not any(e["choices"][0]["delta"].get("content") for e in events if e["choices"] and e is not events[0])
     # a conversation that goes on after a call and its result
     after = messages + [{"role": "assistant", "tool_calls": [{"id": call["id"], "type": "function",
@@ -355,7 +376,11 @@ def test_parallel_tool_calls_are_up_to_eight_a_line_each(client, tokenizer):
         assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"])
     events = stream(client, "/v1/chat/completions", **body, logit_bias=calls)
     (last,) = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert [c["index"] for c in last["choices"][0]["delta"]["tool_calls"]] == list(range(8))
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    streamed = streamed_calls(events)  # each call's name as soon as its JSON has it, then its arguments' text
+    whole = client.post("/v1/chat/completions", json={**body, "logit_bias": calls}).json()["choices"][0]["message"]
+    assert [c["function"] for c in streamed] == [c["function"] for c in whole["tool_calls"]] and len(streamed) == 8
+    assert sum(bool(e["choices"] and e["choices"][0]["delta"].get("tool_calls")) for e in events) > 8
     # /tokenize counts the tools' turn as the chat's prompt has it
     for extra in [{}, {"parallel_tool_calls": False}, {"tool_choice": "auto"}]:
         chat = client.post("/v1/chat/completions", json={**body, "max_tokens": 1, **extra}).json()

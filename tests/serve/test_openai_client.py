@@ -101,3 +101,13 @@ def test_a_required_tool_call(oai):
         assert 1 <= len(choice.message.tool_calls) <= most
         for call in choice.message.tool_calls:
             assert call.function.name == "set_light" and json.loads(call.function.arguments)["on"] in (True, False)
+    # streamed: the SDK's stream helper puts each call together from its deltas, as the reply had it
+    with oai.chat.completions.stream(model=MODEL_NAME, messages=[{"role": "user", "content": "Light on."}],
+                                     tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                     max_tokens=600, seed=7) as stream:  # (completion: the same request whole)
+        kinds = {type(event).__name__ for event in stream}
+        final = stream.get_final_completion()
+    assert "FunctionToolCallArgumentsDeltaEvent" in kinds and final.choices[0].finish_reason == "tool_calls"
+    streamed = final.choices[0].message.tool_calls
+    assert [(c.id.startswith("call_"), c.function.name, c.function.arguments) for c in streamed] == [
+        (True, c.function.name, c.function.arguments) for c in completion.choices[0].message.tool_calls]
