@@ -17,11 +17,11 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
   `pattern` and the `format`s date, time, date-time, uuid, ipv4 and email (json_regex.py: a
   patterned string is written without escapes, its "any character" is printable ASCII);
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, or draft 4's
-  booleans): a bounded number is written without an exponent, and a digit is taken only while
-  some value the text may still come to is within the bounds (exact, in fractions);
+  booleans) and `multipleOf`: such a number is written without an exponent, and a digit is taken
+  only while some value the text may still come to meets them (exact, in integers of 1e-16);
 - `{}` or `true`: any JSON value.
 
-Other keywords (other formats, `multipleOf`, `uniqueItems`, …) are not enforced: the value only
+Other keywords (other formats, `uniqueItems`, …) are not enforced: the value only
 has the type they qualify, as if they were descriptions. The root must be an object. Whitespace and
 nesting have json_grammar's bounds; half a surrogate pair (`"\\ud83d"` alone) is refused in every
 string, as pydantic's JSON refuses it.
@@ -276,11 +276,11 @@ class SchemaMachine:
         if after is None:
             return []
         text += bytes((b,))
-        if not any(_meets(low, high, bounds, integer) for low, high in _reachable(text, integer)):
+        if not any(_meets(low, high, bounds) for low, high in _reachable(text, integer)):
             return []
         element = (frames, (BNUM, at, after[0], after[1], text))
         value = _scaled(text) if after[0] in jg.NUMBER_ENDS else None
-        whole = value is not None and _meets(value, value, bounds, integer)
+        whole = value is not None and _meets(value, value, bounds)
         return [element, _complete(frames)] if whole else [element]
 
     def _room(self, lex: tuple) -> int:
@@ -392,9 +392,10 @@ class SchemaMachine:
         if kind == "string":
             return self._string_node(schema, where)
         if kind in ("number", "integer"):
-            integer, bounds = kind == "integer", _bounds(schema, where)
+            integer = kind == "integer"
+            bounds = _bounds(schema, where, integer)
             spans = _reachable(b"", integer) + _reachable(b"-", integer)  # any number
-            if bounds is not None and not any(_meets(low, high, bounds, integer) for low, high in spans):
+            if bounds is not None and not any(_meets(low, high, bounds) for low, high in spans):
                 raise SchemaError(f"{where}: no {kind} of at most {jg.MAX_DIGITS[jg.N_INT]} digits meets its bounds")
             return self._add((NUMBER, integer, bounds))
         if kind == "boolean":
@@ -456,14 +457,23 @@ class SchemaMachine:
 
 
 SCALE = 10 ** jg.MAX_DIGITS[jg.N_FRAC]  # a number's value in units of its least step (1e-16): exact integers
-Bounds = tuple[int | None, int | None]  # the least and the most value allowed, in SCALE units (None: open)
+# the least and the most value allowed (None: open) and the step values are multiples of, in SCALE units
+Bounds = tuple[int | None, int | None, int]
 
 
-def _bounds(schema: dict, where: str) -> Bounds | None:
-    """minimum, exclusiveMinimum, maximum, exclusiveMaximum (numbers, or draft 4's booleans), as
-    the least and the most value on the grid of SCALE that they allow."""
-    if not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+def _bounds(schema: dict, where: str, integer: bool) -> Bounds | None:
+    """minimum, exclusiveMinimum, maximum, exclusiveMaximum (numbers, or draft 4's booleans) and
+    multipleOf, as the least and the most value on the grid of SCALE that they allow and the step
+    (SCALE at least for an integer)."""
+    if not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")):
         return None
+    step = SCALE if integer else 1
+    if "multipleOf" in schema:
+        of = schema["multipleOf"]
+        scaled = Fraction(str(of)) * SCALE if isinstance(of, int | float) and not isinstance(of, bool) else None
+        if scaled is None or scaled <= 0 or scaled.denominator != 1:
+            raise SchemaError(f"{where}.multipleOf: a positive number of at most {jg.MAX_DIGITS[jg.N_FRAC]} decimals")
+        step = math.lcm(step, int(scaled))
     ends: list[int | None] = []
     for inclusive, exclusive, lower in (("minimum", "exclusiveMinimum", True), ("maximum", "exclusiveMaximum", False)):
         value, strict = schema.get(inclusive), schema.get(exclusive)
@@ -481,20 +491,18 @@ def _bounds(schema: dict, where: str) -> Bounds | None:
                 on_grid += 1 if lower else -1
             end = on_grid if end is None else (max(end, on_grid) if lower else min(end, on_grid))  # the tighter
         ends.append(end)
-    return (ends[0], ends[1])
+    return (ends[0], ends[1], step)
 
 
-def _meets(low: int, high: int, bounds: Bounds, integer: bool) -> bool:
-    """Whether a value within [low, high] (SCALE units, on the grid) is within the bounds; for an
-    integer, a multiple of SCALE."""
-    least, most = bounds
+def _meets(low: int, high: int, bounds: Bounds) -> bool:
+    """Whether a value within [low, high] (SCALE units, on the grid) is within the bounds and a
+    multiple of their step."""
+    least, most, step = bounds
     if least is not None:
         low = max(low, least)
     if most is not None:
         high = min(high, most)
-    if integer:
-        low = -(-low // SCALE) * SCALE
-    return low <= high
+    return -(-low // step) * step <= high
 
 
 def _reachable(text: bytes, integer: bool) -> list[tuple[int, int]]:

@@ -214,6 +214,9 @@ def test_members_of_any_name_and_tuples(text, ok):
      "schema.properties.a: no integer of at most 16 digits meets its bounds"),
     ({"type": "object", "properties": {"a": {"type": "number", "maximum": "9"}}},
      "schema.properties.a.maximum: a number"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0}}}, "schema.properties.a.multipleOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}}},
+     "no integer of at most 16 digits meets its bounds"),
 ])
 def test_schemas_it_cannot_follow_are_refused_with_where(schema, message):
     with pytest.raises(SchemaError, match=message.replace("$", r"\$").replace("(", r"\(")):
@@ -320,6 +323,7 @@ def test_a_pydantic_model_with_constrained_values_validates_what_the_machine_wri
         host: IPvAnyAddress = Field(json_schema_extra={"format": "ipv4"})
         priority: int = Field(ge=1, le=5)
         score: float = Field(gt=0, le=1)
+        boxes: int = Field(multiple_of=6, ge=6, le=60)
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
     tickets = JsonGrammar(tokenizer).constraint(json.dumps(Ticket.model_json_schema()))
@@ -346,12 +350,19 @@ BOUNDED = [
     {"type": "integer", "minimum": 10, "maximum": 12},
     {"type": "number", "maximum": -0.125, "exclusiveMinimum": -0.5},
     {"type": "integer", "minimum": 3, "exclusiveMinimum": True, "maximum": 5},  # draft 4: > 3
+    {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
+    {"type": "number", "multipleOf": 0.25, "maximum": 2},
+    {"type": "number", "multipleOf": 0.01, "exclusiveMinimum": 0},  # money
 ]
 
 
 def _in_bounds(value, schema: dict) -> bool:
+    from fractions import Fraction
+
     if schema.get("exclusiveMinimum") is True:
         schema = {**schema, "exclusiveMinimum": schema.pop("minimum")}
+    if "multipleOf" in schema and Fraction(str(value)) % Fraction(str(schema["multipleOf"])) != 0:
+        return False
     return ((schema["type"] == "number" or type(value) is int) and value >= schema.get("minimum", value)
             and value <= schema.get("maximum", value) and value > schema.get("exclusiveMinimum", value - 1)
             and value < schema.get("exclusiveMaximum", value + 1))
@@ -365,7 +376,8 @@ def test_bounded_numbers_are_accepted_exactly_within_their_bounds(bounded):
 
     machine = SchemaMachine(json.dumps({"type": "object", "properties": {"x": bounded}, "required": ["x"]}))
     texts = {"0", "-0", "1", "-1", "0.5", "1.0", "100", "101", "-3", "-2", "1e1", "2.4999", "2.5", "-0.125",
-             "-0.1250001", "-0.5", "-0.4999999", "12", "13", "9", "3", "4", "5", "6", "0.0000000000000001"}
+             "-0.1250001", "-0.5", "-0.4999999", "12", "13", "9", "3", "4", "5", "6", "0.0000000000000001",
+             "95", "105", "1.75", "1.80", "-7.25", "0.01", "19.99", "19.999", "19.990", "0.00"}
     for text in sorted(texts):
         value = json.loads(text)
         expected = "e" not in text and _in_bounds(Fraction(text) if isinstance(value, float) else value, dict(bounded))
