@@ -7,7 +7,8 @@ constraint gives the tokens a state bans (`Constraint.banned`, memoised by state
 advanced by a token. Never touches the model, the batch or the text: the engine keeps a JSON
 row's state in its output stream, advances it by the tokens the row takes and ends the row when
 the machine is done (finish "stop"); the sampler sets the banned tokens' logits to -inf. So end
-of text and stop tokens are banned until the object closes, and only max_tokens can cut it short.
+of text and stop tokens are banned until the object closes, and only max_tokens can cut it short
+(or a state no token goes on from, `Constraint.stuck`, which a schema's constraints can leave).
 
 The machine is RFC 8259 with four bounds of its own, each keeping a row from running on where a
 model might loop: a top-level value must be an object (OpenAI's `json_object`), a run of
@@ -334,7 +335,7 @@ class Constraint:
     def __init__(self, machine: Machine, grammar: JsonGrammar):
         self.machine, self._grammar = machine, grammar
         self.start = machine.start
-        self._banned: OrderedDict[Any, Tensor] = OrderedDict()
+        self._banned: OrderedDict[Any, tuple[Tensor, int]] = OrderedDict()  # state -> its mask, tokens allowed
 
     def advance(self, state: Any, token: int) -> Any | None:
         """The state after the token's bytes; None if it cannot follow (a token of no bytes,
@@ -356,16 +357,25 @@ class Constraint:
         """The tokens that may not come next, as bits on the grammar's device (uint8
         [ceil(vocab_size / 8)]: token t is bit t % 8 of byte t // 8; `unpack` makes them bool).
         Memoised; the tensor is shared: do not change it."""
+        return self._mask(state)[0]
+
+    def stuck(self, state: Any) -> bool:
+        """No token goes on from here: a schema's constraints together left the text no way on (a
+        pattern whose matches only some lengths meet, say). Made with the state's mask."""
+        return self._mask(state)[1] == 0
+
+    def _mask(self, state: Any) -> tuple[Tensor, int]:
         return _remembered(self._banned, state, lambda: self._make_banned(state), MEMO_STATES)
 
-    def _make_banned(self, state: Any) -> Tensor:
+    def _make_banned(self, state: Any) -> tuple[Tensor, int]:
         started = time.perf_counter()
         banned = np.ones(self._grammar.vocab_size, dtype=bool)
-        banned[self.allowed(state)] = False
+        allowed = self.allowed(state)
+        banned[allowed] = False
         bits = torch.from_numpy(np.packbits(banned, bitorder="little")).to(self._grammar.device)
         self._grammar.stats["json_masks_made"] += 1
         self._grammar.stats["json_mask_us"] += int(1e6 * (time.perf_counter() - started))
-        return bits
+        return bits, len(allowed)
 
 
 class GrammarError(ValueError):

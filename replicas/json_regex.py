@@ -19,7 +19,9 @@ character would not count as one.
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 
 MAX_STATES = 4000  # an automaton's states ({n,m} copies its operand)
 MAX_REPEAT = 1000
@@ -39,7 +41,13 @@ _DATE = (rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]
          rf"|02-(0[1-9]|1\d|2[0-8]))|{_LEAP_YEAR}-02-29)")  # a day its month has
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _HEX = "[0-9a-fA-F]"
-FORMATS = {  # RFC 3339's date, time and date-time; RFC 4122's uuid; an address of ASCII
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3}|0)"
+_TOP_LABEL = "[A-Za-z]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (a last label of digits would read as an IPv4 address)
+_PATH = "[A-Za-z0-9._~!$&'()*+,;=:@%/-]"  # what a URL parser leaves as it is (the WHATWG URL standard's sets)
+_QUERY = "[A-Za-z0-9._~!$&()*+,;=:@%/?-]"
+_FRAGMENT = "[A-Za-z0-9._~!$&'()*+,;=:@%/?-]"
+FORMATS = {  # RFC 3339's date, time and date-time; RFC 4122's uuid; an address of ASCII; http(s) URLs
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
@@ -47,6 +55,9 @@ FORMATS = {  # RFC 3339's date, time and date-time; RFC 4122's uuid; an address 
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
     "email": r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
              r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)+$",
+    "hostname": rf"^{_LABEL}(\.{_LABEL})*$",
+    # a URL as a parser writes it back (pydantic's HttpUrl checks maxLength after): a path from "/"
+    "uri": rf"^https?://({_LABEL}\.)*{_TOP_LABEL}(:{_PORT})?/{_PATH}*(\?{_QUERY}*)?(#{_FRAGMENT}*)?$",
 }
 
 
@@ -77,6 +88,7 @@ class Regex:
         self._compile(tree, start, self._accept)
         self._closures = [self._close({s}) for s in range(len(self._moves))]
         self.start = self._closures[start]
+        self._least = self._distances()
 
     def step(self, states: frozenset[int], b: int) -> frozenset[int] | None:
         """The states after one more byte, or None when no match can go on."""
@@ -89,6 +101,31 @@ class Regex:
 
     def accepts(self, states: frozenset[int]) -> bool:
         return self._accept in states
+
+    def least(self, states: frozenset[int]) -> float:
+        """The fewest characters that take the states to a match (inf: none do)."""
+        return min(self._least[s] for s in states)
+
+    def _distances(self) -> list[float]:
+        """Each position's fewest characters to the accepting one (a byte that goes on a UTF-8
+        character counts none), by breadth first from it along the moves backwards."""
+        back: list[list[tuple[int, int]]] = [[] for _ in self._moves]
+        for s, moves in enumerate(self._moves):
+            for chars, to in moves:
+                back[to].append((s, 0 if chars is None or all(0x80 <= b < 0xC0 for b in chars) else 1))
+        least = [math.inf] * len(self._moves)
+        least[self._accept] = 0
+        todo = collections.deque([self._accept])
+        while todo:
+            s = todo.popleft()
+            for before, cost in back[s]:
+                if least[s] + cost < least[before]:
+                    least[before] = least[s] + cost
+                    if cost == 0:
+                        todo.appendleft(before)
+                    else:
+                        todo.append(before)
+        return least
 
     def _new(self) -> int:
         if len(self._moves) >= MAX_STATES:

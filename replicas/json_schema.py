@@ -14,7 +14,8 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
 - `anyOf`, `oneOf` (taken as anyOf), `allOf` of one schema, `$ref` to `#`, `#/$defs/…` or
   `#/definitions/…` (recursive ones too);
 - strings: `minLength`, `maxLength` (in characters: an escape or a UTF-8 character is one),
-  `pattern` and the `format`s date, time, date-time, uuid, ipv4 and email (json_regex.py: a
+  `pattern` and the `format`s date, time, date-time, uuid, ipv4, email, hostname and uri (http
+  and https URLs) (json_regex.py: a
   patterned string is written without escapes, its "any character" is printable ASCII);
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, or draft 4's
   booleans) and `multipleOf`: such a number is written without an exponent, and a digit is taken
@@ -261,6 +262,8 @@ class SchemaMachine:
             count = min(count + 1, max(low, high or 0) + 1)
             if high is not None and count > high:
                 return []
+        if high is not None and any(count + r.least(m) > high for r, m in zip(regexes, matches, strict=True)):
+            return []  # no match fits in what maxLength leaves
         return [(frames, (CSTR, at, 0 if regexes else esc_after, count, matches))]
 
     def _bounded_number(self, frames: tuple, lex: tuple, b: int) -> list[Element]:
@@ -420,6 +423,8 @@ class SchemaMachine:
                 regexes.append(compile_pattern(pattern))
             except RegexError as err:
                 raise SchemaError(f"{where}.{key}: {err}") from None
+            if regexes[-1].least(regexes[-1].start) > (math.inf if high is None else high):
+                raise SchemaError(f"{where}.{key}: no match has at most maxLength ({high}) characters")
         return self._add((STRING, low, high, tuple(regexes)))
 
     def _ref(self, ref: Any, where: str) -> int:

@@ -66,6 +66,9 @@ class OutputStream:
                 return Step(self.release(), "stop")
         if self.count >= self.params.max_tokens:
             return Step(self.release(), "length")
+        if self.json is not None and self.constraint.stuck(self.json):  # no token goes on: cut short here
+            self.json = None
+            return Step(self.release(), "length")
         keep = self._possible_stop_start() if self.stops else 0
         if not keep:
             text, self.held = self.held, ""

@@ -312,7 +312,7 @@ def test_a_pydantic_model_with_constrained_values_validates_what_the_machine_wri
     import datetime
     import uuid
 
-    from pydantic import Field, IPvAnyAddress
+    from pydantic import Field, HttpUrl, IPvAnyAddress
 
     class Ticket(BaseModel):
         code: str = Field(pattern=r"^[A-Z]{3}-\d{2}$")
@@ -324,6 +324,7 @@ def test_a_pydantic_model_with_constrained_values_validates_what_the_machine_wri
         priority: int = Field(ge=1, le=5)
         score: float = Field(gt=0, le=1)
         boxes: int = Field(multiple_of=6, ge=6, le=60)
+        site: HttpUrl = Field(max_length=40)
 
     tokenizer = load_tokenizer(WORLD_VOCAB)
     tickets = JsonGrammar(tokenizer).constraint(json.dumps(Ticket.model_json_schema()))
@@ -398,3 +399,44 @@ def test_a_bounded_numbers_every_prefix_can_be_completed(bounded):
             c = rng.choice(options)
             state, text = machine.step(state, ord(c)), text + c
         assert _in_bounds(json.loads(text[:-1]), dict(bounded)), (bounded, text)
+
+
+def test_a_pattern_within_max_length_never_leaves_a_row_without_a_way_on():
+    """A digit is refused where no match of the pattern fits in what maxLength leaves (a URL
+    needs its "/" path): texts drawn token by token never meet a state that no token continues."""
+    schema = {"type": "object", "required": ["u"], "properties": {
+        "u": {"type": "string", "format": "uri", "maxLength": 16},
+        "c": {"type": "string", "pattern": "^[a-z]+-[0-9]{3}$", "maxLength": 7}}}
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    constraint = JsonGrammar(tokenizer).constraint(json.dumps(schema))
+    rng = random.Random(3)
+    for _ in range(8):
+        state = constraint.start
+        for _ in range(120):
+            assert not constraint.stuck(state)
+            state = constraint.advance(state, rng.choice(constraint.allowed(state)))
+            if constraint.done(state):
+                break
+    machine = SchemaMachine(json.dumps(schema))
+    assert advance(machine.start, b'{"u": "http://abcdefghi', machine) is None  # 16 needs the "/" by now
+    assert advance(machine.start, b'{"u": "http://abcdefgh', machine) is not None
+    assert advance(machine.start, b'{"u": "http://a/", "c": "abcd', machine) is None  # no room for "-" and 3 digits
+    with pytest.raises(SchemaError, match="no match has at most maxLength"):
+        SchemaMachine(json.dumps({"type": "object", "properties": {"d": {"type": "string", "format": "date",
+                                                                           "maxLength": 9}}}))
+
+
+def test_a_row_that_no_token_can_continue_ends_as_cut_short():
+    """Where a schema's constraints together leave no way on (here every match of the pattern
+    has an even length, and the lengths allow only 3), the row ends there, finish "length"."""
+    from replicas.output import OutputStream
+    from replicas.sampling import SamplingParams
+
+    tokenizer = load_tokenizer(WORLD_VOCAB)
+    schema = json.dumps({"type": "object", "required": ["s"], "properties": {
+        "s": {"type": "string", "pattern": "^(ab)*$", "minLength": 3, "maxLength": 3}}})
+    constraint = JsonGrammar(tokenizer).constraint(schema)
+    output = OutputStream(tokenizer, SamplingParams(max_tokens=50, json_schema=schema), constraint)
+    steps = [output.push(token) for token in tokenizer.encode('{"s": "ab')]
+    assert [s.finish for s in steps[:-1]] == [None] * (len(steps) - 1) and steps[-1].finish == "length"
+    assert "".join(s.text for s in steps) == '{"s": "ab' and output.json is None
