@@ -14,18 +14,20 @@ touches tokens, the model or the batch. What it follows, OpenAI's structured out
 - `anyOf`, `oneOf` (taken as anyOf), `allOf` of one schema, `$ref` to `#`, `#/$defs/…` or
   `#/definitions/…` (recursive ones too);
 - strings: `minLength`, `maxLength` (in characters: an escape or a UTF-8 character is one),
-  `pattern` and the `format`s date, time, date-time, uuid, ipv4, email, hostname and uri (http
-  and https URLs) (json_regex.py: a
-  patterned string is written without escapes, its "any character" is printable ASCII);
+  `pattern` and the `format`s date, time, date-time, uuid, ipv4, email, hostname and uri (an
+  http or https URL), in json_regex.py: a patterned string is written without escapes, its "any
+  character" is printable ASCII, and a character is taken only while a match still fits in
+  maxLength;
 - numbers: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, or draft 4's
   booleans) and `multipleOf`: such a number is written without an exponent, and a digit is taken
   only while some value the text may still come to meets them (exact, in integers of 1e-16);
 - `{}` or `true`: any JSON value.
 
-Other keywords (other formats, `uniqueItems`, …) are not enforced: the value only
-has the type they qualify, as if they were descriptions. The root must be an object. Whitespace and
-nesting have json_grammar's bounds; half a surrogate pair (`"\\ud83d"` alone) is refused in every
-string, as pydantic's JSON refuses it.
+Other keywords (other formats, `uniqueItems`, …) are not enforced: the value only has the type
+they qualify, as if they were descriptions. The root must be an object. Whitespace and nesting
+have json_grammar's bounds; half a surrogate pair (`"\\ud83d"` alone) is refused in every string,
+as pydantic's JSON refuses it. Constraints that together leave some text no way on (a pattern
+whose matches' lengths minLength and maxLength exclude) end its row there (Constraint.stuck).
 
 A schema is read into nodes (a list; a `$ref` is the index of its target's node, so recursion is
 a cycle). The machine is nondeterministic (two branches of an anyOf may start alike; a number may
