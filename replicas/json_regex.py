@@ -41,6 +41,7 @@ _DATE = (rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]
          rf"|02-(0[1-9]|1\d|2[0-8]))|{_LEAP_YEAR}-02-29)")  # a day its month has
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _HEX = "[0-9a-fA-F]"
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 _LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3}|0)"
 _TOP_LABEL = "[A-Za-z]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (a last label of digits would read as an IPv4 address)
@@ -53,8 +54,8 @@ FORMATS = {  # RFC 3339's date, time and date-time; RFC 4122's uuid; an address 
     "date-time": f"^{_DATE}[Tt]{_TIME}$",
     "uuid": f"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}$",
     "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
-    "email": r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
-             r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)+$",
+    # RFC 5322's dot-atom at a domain of labels, its last one not a number
+    "email": rf"^{_ATOM}(\.{_ATOM})*@({_LABEL}\.)+{_TOP_LABEL}$",
     "hostname": rf"^{_LABEL}(\.{_LABEL})*$",
     # a URL as a parser writes it back (pydantic's HttpUrl checks maxLength after): a path from "/"
     "uri": rf"^https?://({_LABEL}\.)*{_TOP_LABEL}(:{_PORT})?/{_PATH}*(\?{_QUERY}*)?(#{_FRAGMENT}*)?$",

@@ -416,6 +416,8 @@ class SchemaMachine:
             raise SchemaError(f"{where}: minLength and maxLength must be integers from 0, maxLength at least minLength")
         patterns = []
         if "pattern" in schema:
+            if not isinstance(schema["pattern"], str):
+                raise SchemaError(f"{where}.pattern: a string")
             patterns.append(("pattern", schema["pattern"]))
         if schema.get("format") in FORMATS:
             patterns.append(("format", FORMATS[schema["format"]]))

@@ -215,6 +215,8 @@ def test_members_of_any_name_and_tuples(text, ok):
     ({"type": "object", "properties": {"a": {"type": "number", "maximum": "9"}}},
      "schema.properties.a.maximum: a number"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0}}}, "schema.properties.a.multipleOf"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": ["x"]}}},
+     "schema.properties.a.pattern: a string"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}}},
      "no integer of at most 16 digits meets its bounds"),
 ])
