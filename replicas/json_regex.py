@@ -264,17 +264,22 @@ class _Parser:
         return _literal(c)
 
     def _escape(self) -> tuple:
+        escaped = self._escaped()
+        return ("set", escaped) if isinstance(escaped, frozenset) else _literal(escaped)
+
+    def _escaped(self) -> str | frozenset[int]:
+        """What the escape after a backslash stands for: a class (\\d, ...) or a character."""
         if self.at >= len(self.text):
             raise RegexError("a pattern ends in a backslash")
         c = self.text[self.at]
         self.at += 1
         if c in CLASS_ESCAPES:
-            return ("set", CLASS_ESCAPES[c])
+            return CLASS_ESCAPES[c]
         if c in CONTROL_ESCAPES:
-            return _literal(CONTROL_ESCAPES[c])
+            return CONTROL_ESCAPES[c]
         if c.isalnum():
             raise RegexError(f"the escape \\{c} is not followed")
-        return _literal(c)
+        return c
 
     def _class(self) -> frozenset[int]:
         negated = self._peek() == "^"
@@ -307,21 +312,14 @@ class _Parser:
         """A class's next character as a byte, or an escape's class (\\d, ...)."""
         c = self.text[self.at]
         self.at += 1
-        if c != "\\":
-            if ord(c) > 0x7F:
-                raise RegexError("classes hold ASCII characters only")
-            return ord(c)
-        if self.at >= len(self.text):
-            raise RegexError("a pattern ends in a backslash")
-        e = self.text[self.at]
-        self.at += 1
-        if e in CLASS_ESCAPES:
-            return CLASS_ESCAPES[e]
-        if e in CONTROL_ESCAPES:
-            return ord(CONTROL_ESCAPES[e])
-        if e.isalnum():
-            raise RegexError(f"the escape \\{e} is not followed")
-        return ord(e)
+        if c == "\\":
+            escaped = self._escaped()
+            if isinstance(escaped, frozenset):
+                return escaped
+            c = escaped
+        if ord(c) > 0x7F:
+            raise RegexError("classes hold ASCII characters only")
+        return ord(c)
 
     def _peek(self) -> str:
         return self.text[self.at] if self.at < len(self.text) else ""

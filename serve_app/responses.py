@@ -196,10 +196,11 @@ class ChatFormat(_Format):
         """Calls stream as their JSON comes. Where max_tokens or a stop string cut the reply before
         any call's name, it is sent as text; after one, the choice ends with its own reason."""
         scanner = self._calls_of[index]
-        opened = (scanner.text + chunk.text).lstrip()
-        if self.or_text and opened and not opened.startswith("{"):  # text after all: it streams from here
-            self._text[index] = True
-            return self.chunk(index, replace(chunk, text=scanner.text + chunk.text))
+        if self.or_text and (not scanner.text or scanner.text.isspace()):  # nothing but whitespace yet
+            opened = chunk.text.lstrip()
+            if opened and not opened.startswith("{"):  # text after all: it streams from here
+                self._text[index] = True
+                return self.chunk(index, replace(chunk, text=scanner.text + chunk.text))
         deltas = scanner.feed(chunk.text)
         reason = chunk.finish_reason
         if reason is not None and not scanner.calls:
