@@ -39,6 +39,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,7 @@ from .output import OutputStream
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
 from .slots import Choice, Phase, SlotTable
 from .state_cache import PrefixStateCache, Snapshot
+from .state_files import DiskTier
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ class EngineConfig(BaseModel):
         None, ge=0, description="prefix cache budget in device memory; None: half the device memory free when "
         "the engine is made (on a CUDA device, after the weights and slots; 1 GiB on the CPU)")
     host_cache_bytes: int = Field(4 << 30, ge=0, description="prefix cache budget in host memory")
+    disk_cache_bytes: int = Field(0, ge=0, description="prefix cache budget on disk, under the host tier (0: none)")
+    disk_cache_dir: Path | None = Field(
+        None, description="where the disk tier keeps its files, which outlive the engine (a restart takes its "
+        "model's back); None: a temporary directory, removed when the engine stops")
     max_prompt_tokens: int = Field(1 << 20, ge=1, description="longer prompts are refused")
     prefill_every: int = Field(
         1, ge=1, description="while rows decode, a prompt waits up to this many steps for its prefill call, so that "
@@ -276,8 +282,15 @@ class Engine:
             raise ValueError(f"engine wants {self.config.max_slots} slots, the runner has {runner.max_slots}")
         self.slots = SlotTable(self.config.max_slots)
         self.sampler = Sampler(runner.max_slots, runner.vocab_size, runner.device)
+        disk = None
+        if self.config.disk_cache_bytes:
+            disk = DiskTier(self.config.disk_cache_dir, runner.fingerprint)
         self.cache = PrefixStateCache(_device_cache_bytes(self.config, runner.device), self.config.host_cache_bytes,
-                                      runner.device)
+                                      runner.device, disk=disk, disk_bytes=self.config.disk_cache_bytes)
+        if disk is not None:
+            held = self.cache.metrics
+            log.info("prefix cache: disk tier in %s, %d states (%.2f GiB) taken back", disk.directory,
+                     held.entries["disk"], held.bytes["disk"] / 2**30)
         self.init_states: dict[str, InitState] = {}  # by id; replaced whole, so callers may read it
         self.stats: Counter[str] = Counter()
         self._rows: dict[int, _Row] = {}

@@ -4,10 +4,12 @@ An RWKV state of any prefix is a fixed-size snapshot, so a prompt that extends a
 skips that prefix's prefill entirely; a snapshot keeps the logits after its prefix too, so an
 exact hit needs no model call at all.
 
-Owns: one radix trie of token prefixes per namespace (an init state), the snapshots, two tiers
-with byte budgets (device memory, then host memory: a snapshot evicted from the device tier moves
-to the host before it is dropped), LRU order, hit/miss metrics, and a log of compact events
-(insert / evict by key) that a router can follow. Never touches scheduling or slots.
+Owns: one radix trie of token prefixes per namespace (an init state), the snapshots, up to three
+tiers with byte budgets (device memory, host memory, then optionally files: a snapshot evicted
+from one tier moves to the next before it is dropped), LRU order, hit/miss metrics, and a log of
+compact events (insert / evict by key) that a router can follow. Never touches scheduling or
+slots. The files' reading and writing is state_files.py's; here a disk-tier entry keeps its
+snapshot in memory until its file is written, and a hit on it reads the file.
 
 On a CUDA device the moves between tiers never hold up the model. A demotion copies into
 page-locked host memory (_PinnedPlaces) on the cache's own stream, which waits for the model's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -33,10 +36,12 @@ import torch
 from torch import Tensor
 
 from .model.state import RNNState, host_tensor
+from .state_files import DiskTier, StateFile, file_bytes
 
 log = logging.getLogger(__name__)
 
-DEVICE, HOST = "device", "host"
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
 
 
 @dataclass
@@ -98,24 +103,33 @@ class CacheMetrics:
     inserts: int = 0
     evictions: int = 0  # snapshots dropped from the cache
     demotions: int = 0  # snapshots moved from the device tier to the host tier
-    bytes: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
-    entries: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
+    disk_writes: int = 0  # snapshots the disk tier took (each a file queued for writing)
+    disk_reads: int = 0  # snapshots read back from it (hits, exports)
+    disk_drops: int = 0  # snapshots the disk tier had room for and did not take (its queue full, a failed write)
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    entries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     def as_dict(self) -> dict:
         flat = {k: v for k, v in vars(self).items() if not isinstance(v, dict)}
-        for tier in (DEVICE, HOST):
+        for tier in TIERS:
             flat[f"{tier}_bytes"] = self.bytes[tier]
             flat[f"{tier}_entries"] = self.entries[tier]
         return flat
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     namespace: str
     tokens: tuple[int, ...]
-    snapshot: Snapshot
+    snapshot: Snapshot | None  # None: on disk only (file)
     tier: str
     place: Tensor | None = None  # the pinned place of a host-tier snapshot (_PinnedPlaces), if it has one
+    file: StateFile | None = None  # a disk-tier entry's file
+
+    @property
+    def nbytes(self) -> int:
+        """What the entry counts against its tier's budget."""
+        return self.file.nbytes if self.tier == DISK else self.snapshot.nbytes
 
 
 class _Node:
@@ -305,20 +319,26 @@ def _unpin(slabs: list[Tensor]) -> None:
 
 
 class PrefixStateCache:
+    """`disk` (with `disk_bytes`): the tier of files under the host tier; its files of this model
+    are taken into the cache now, oldest first, as far as the budget holds them."""
+
     def __init__(
-        self, device_bytes: int, host_bytes: int, device: torch.device | str = "cpu", max_events: int = 4096
+        self, device_bytes: int, host_bytes: int, device: torch.device | str = "cpu", max_events: int = 4096,
+        disk: DiskTier | None = None, disk_bytes: int = 0,
     ):
-        self.budget = {DEVICE: device_bytes, HOST: host_bytes}
+        self.budget = {DEVICE: device_bytes, HOST: host_bytes, DISK: disk_bytes if disk is not None else 0}
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # demotions' copies
         self._places = _PinnedPlaces(host_bytes) if cuda else None
+        self.disk = disk
+        self._writing: dict[StateFile, _Entry] = {}  # disk-tier entries whose files are queued or being written
         self.tries: dict[str, _Trie] = {}
-        self.lru: dict[str, OrderedDict[tuple[str, tuple[int, ...]], _Entry]] = {
-            DEVICE: OrderedDict(), HOST: OrderedDict()
-        }
+        self.lru: dict[str, OrderedDict[tuple[str, tuple[int, ...]], _Entry]] = {tier: OrderedDict() for tier in TIERS}
         self.metrics = CacheMetrics()
         self.events: deque[CacheEvent] = deque(maxlen=max_events)
+        if disk is not None:
+            self._adopt(disk)
 
     def match(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
         """Longest cached prefix of tokens: (snapshot, its length), or (None, 0).
@@ -326,6 +346,7 @@ class PrefixStateCache:
         Counts the lookup and refreshes the entry's LRU place; a host-tier hit moves back to the
         device tier. The snapshot is shared: copy it into a slot, never modify it.
         """
+        self._collect_writes()
         self.metrics.lookups += 1
         trie = self.tries.get(namespace)
         entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
@@ -347,6 +368,7 @@ class PrefixStateCache:
         Replaces an entry with the same key. Returns False when the snapshot is larger than the
         whole device budget and is not kept.
         """
+        self._collect_writes()
         tokens = tuple(tokens)
         if not tokens or snapshot.nbytes > self.budget[DEVICE]:
             return False
@@ -361,19 +383,31 @@ class PrefixStateCache:
         self._enforce_budgets()
         return True
 
-    def drop_namespace(self, namespace: str) -> None:
-        """Forgets every snapshot of a namespace (an init state that was unloaded)."""
+    def drop_namespace(self, namespace: str, keep_files: bool = False) -> None:
+        """Forgets every snapshot of a namespace (an init state that was unloaded); with
+        keep_files, the disk tier's files stay."""
         trie = self.tries.pop(namespace, None)
         for entry in list(trie or ()):
             self._unaccount(entry)
+            if keep_files:
+                entry.file = None
             self._release(entry)
             self._evicted(entry)
 
     def clear(self) -> None:
-        """Drops every snapshot (the engine stops). The host tier's pinned memory stays with the
-        process, for its next cache."""
+        """Drops every snapshot (the engine stops). A disk tier in a directory of its own keeps
+        its files, and first takes the newest snapshots of the other tiers as far as its budget
+        holds them (`save`); a temporary one is removed. The host tier's pinned memory stays with
+        the process, for its next cache."""
+        keep = self.disk is not None and not self.disk.temporary
+        if keep:
+            self.save()
         for namespace in list(self.tries):
-            self.drop_namespace(namespace)
+            self.drop_namespace(namespace, keep_files=keep)
+        if self.disk is not None:
+            self.disk.close()
+            self._collect_writes()
+            self.disk = None
         if self._places is not None:
             torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
             self._places.release()  # (kept pinned for the process's next cache)
@@ -395,10 +429,14 @@ class PrefixStateCache:
     def export(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
         """A host copy of the longest cached prefix's snapshot, to move it to another engine, and
         its length; (None, 0) if none. Counts nothing, moves nothing between tiers."""
+        self._collect_writes()
         trie = self.tries.get(namespace)
         entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
         if entry is None:
             return None, 0
+        if entry.snapshot is None:
+            self.metrics.disk_reads += 1
+            return self.disk.read(entry.file), length  # (a fresh host copy)
         snapshot = entry.snapshot
         snapshot.wait()
         return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),
@@ -413,14 +451,37 @@ class PrefixStateCache:
         self.events.clear()
         return events
 
+    def save(self) -> None:
+        """Writes the device and host tiers' snapshots to the disk tier, the newest first as far as
+        its budget holds them (older files make room), and waits for the writes."""
+        if self.disk is None:
+            return
+        newest_first = [*reversed(self.lru[DEVICE].values()), *reversed(self.lru[HOST].values())]
+        room, chosen = self.budget[DISK], []
+        for entry in newest_first:
+            size = file_bytes(entry.snapshot, entry.tokens)
+            if size <= room:
+                room -= size
+                chosen.append(entry)
+        start = time.perf_counter()
+        for entry in reversed(chosen):  # the oldest written first: files are taken back in that order
+            if entry.tier == DEVICE:
+                self._move(entry, HOST)
+            self._to_disk(entry, block=True)
+        self.disk.flush()
+        self._collect_writes()
+        log.info("prefix cache: %d states saved to %s in %.1f s", len(chosen), self.disk.directory,
+                 time.perf_counter() - start)
+
     def check_integrity(self) -> None:
         """Bytes per tier == sum of its entries; the LRU lists and the tries hold the same entries."""
+        self._collect_writes()
         in_tries = {(e.namespace, e.tokens): e for trie in self.tries.values() for e in trie}
         in_lru = {key: e for lru in self.lru.values() for key, e in lru.items()}
         assert in_tries.keys() == in_lru.keys(), "trie and LRU disagree"
         for tier, lru in self.lru.items():
             assert all(e.tier == tier for e in lru.values())
-            assert self.metrics.bytes[tier] == sum(e.snapshot.nbytes for e in lru.values()), f"{tier} bytes"
+            assert self.metrics.bytes[tier] == sum(e.nbytes for e in lru.values()), f"{tier} bytes"
             assert self.metrics.entries[tier] == len(lru)
             assert self.metrics.bytes[tier] <= self.budget[tier], f"{tier} over budget"
 
@@ -431,12 +492,12 @@ class PrefixStateCache:
 
     def _account(self, entry: _Entry) -> None:
         self.lru[entry.tier][self._key(entry)] = entry
-        self.metrics.bytes[entry.tier] += entry.snapshot.nbytes
+        self.metrics.bytes[entry.tier] += entry.nbytes
         self.metrics.entries[entry.tier] += 1
 
     def _unaccount(self, entry: _Entry) -> None:
         del self.lru[entry.tier][self._key(entry)]
-        self.metrics.bytes[entry.tier] -= entry.snapshot.nbytes
+        self.metrics.bytes[entry.tier] -= entry.nbytes
         self.metrics.entries[entry.tier] -= 1
 
     def _place(self, entry: _Entry, tier: str) -> None:
@@ -453,20 +514,85 @@ class PrefixStateCache:
             if self._make_room(oldest.snapshot.nbytes):
                 self.metrics.demotions += 1
                 self._move(oldest, HOST)
-            else:
-                self._unaccount(oldest)
-                self._drop(oldest)
+                continue
+            if self._takes_file(oldest):  # no host tier to hold it: through host memory to a file
+                self._move(oldest, HOST)
+                if self._to_disk(oldest):
+                    continue
+            self._unaccount(oldest)
+            self._drop(oldest)
+
+    def _takes_file(self, entry: _Entry) -> bool:
+        return self.disk is not None and file_bytes(entry.snapshot, entry.tokens) <= self.budget[DISK]
 
     def _make_room(self, nbytes: int) -> bool:
-        """Drops the host tier's least recently used snapshots until nbytes more fit in it; False
-        (nothing dropped) when they never would."""
+        """Sends the host tier's least recently used snapshots to the disk tier, or drops them,
+        until nbytes more fit in it; False (nothing moved) when they never would."""
         if nbytes > self.budget[HOST]:
             return False
         while self.metrics.bytes[HOST] + nbytes > self.budget[HOST]:
             _, oldest = next(iter(self.lru[HOST].items()))
+            if not self._to_disk(oldest):
+                self._unaccount(oldest)
+                self._drop(oldest)
+        return True
+
+    def _to_disk(self, entry: _Entry, block: bool = False) -> bool:
+        """A host-tier entry into the disk tier (its file queued; the snapshot and its place are
+        let go once written: _collect_writes), the least recently used files dropped to make room.
+        False, changing nothing, when the tier cannot take it."""
+        if not self._takes_file(entry):
+            return False
+        size = file_bytes(entry.snapshot, entry.tokens)
+        file = self.disk.write(prefix_key(entry.namespace, entry.tokens), entry.namespace, entry.tokens,
+                               entry.snapshot, block=block)
+        if file is None:
+            self.metrics.disk_drops += 1
+            return False
+        while self.metrics.bytes[DISK] + size > self.budget[DISK]:
+            _, oldest = next(iter(self.lru[DISK].items()))
             self._unaccount(oldest)
             self._drop(oldest)
+        self.metrics.disk_writes += 1
+        self._unaccount(entry)
+        entry.file, entry.tier = file, DISK
+        self._writing[file] = entry
+        self._account(entry)
         return True
+
+    def _collect_writes(self) -> None:
+        """Disk-tier entries whose files are written let their snapshots (and pinned places) go;
+        one whose write failed is dropped."""
+        if self.disk is None:
+            return
+        for file in self.disk.finished():
+            entry = self._writing.pop(file, None)
+            if entry is None or entry.file is not file:
+                continue  # it left the disk tier meanwhile (its file discarded)
+            if file.written:
+                if entry.place is not None:
+                    self._places.give(entry.snapshot, entry.place)
+                    entry.place = None
+                entry.snapshot = None
+            else:
+                self.metrics.disk_drops += 1
+                self._unaccount(entry)
+                self._drop(entry)
+
+    def _adopt(self, disk: DiskTier) -> None:
+        """The disk tier's files of this model, as entries: the oldest first, so that where the
+        budget is smaller than what was left, the newest files stay."""
+        for namespace, tokens, file in disk.adopt():
+            entry = _Entry(namespace, tokens, None, DISK, file=file)
+            old = self.tries.setdefault(namespace, _Trie()).insert(tokens, entry)
+            if old is not None:
+                self._unaccount(old)
+                self._release(old)
+            self._account(entry)
+            while self.metrics.bytes[DISK] > self.budget[DISK]:
+                _, oldest = next(iter(self.lru[DISK].items()))
+                self._unaccount(oldest)
+                self._drop(oldest)
 
     def _drop(self, entry: _Entry) -> None:
         self.tries[entry.namespace].remove(entry.tokens)
@@ -478,6 +604,9 @@ class PrefixStateCache:
         fails leaves them as they were)."""
         if tier == HOST:
             snapshot, place = self._host_copy(entry.snapshot)
+        elif entry.snapshot is None:  # a disk hit
+            self.metrics.disk_reads += 1
+            snapshot, place = self._device_copy(self.disk.read(entry.file)), None
         else:
             snapshot, place = self._device_copy(entry.snapshot), None
         self._unaccount(entry)
@@ -510,10 +639,15 @@ class PrefixStateCache:
 
     def _release(self, entry: _Entry) -> None:
         """Gives entry's pinned place back: the copies that may still read it (a promotion, on the
-        model's stream) come before any later demotion into it, whose stream waits for the model's."""
+        model's stream) come before any later demotion into it, whose stream waits for the model's.
+        Its file, if any, is discarded."""
         if entry.place is not None:
             self._places.give(entry.snapshot, entry.place)
             entry.place = None
+        if entry.file is not None:
+            self._writing.pop(entry.file, None)
+            self.disk.discard(entry.file)
+            entry.file = None
 
     def _evicted(self, entry: _Entry) -> None:
         self.metrics.evictions += 1

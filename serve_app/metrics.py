@@ -38,6 +38,10 @@ _HELP = {
     "state_move_failures": "prefix states asked of another replica and not taken (prefilled instead)",
     "cache_device_bytes": "prefix-cache bytes in device memory",
     "cache_host_bytes": "prefix-cache bytes in host memory",
+    "cache_disk_bytes": "prefix-cache bytes in files (the disk tier)",
+    "cache_disk_writes": "prefix states the disk tier took (a file each)",
+    "cache_disk_reads": "prefix states read back from the disk tier",
+    "cache_disk_drops": "prefix states the disk tier had room for and did not keep (write queue full, write failed)",
 }
 _GAUGE_SUFFIXES = ("_bytes", "_entries")
 

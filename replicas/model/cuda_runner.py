@@ -150,6 +150,7 @@ class CudaRunner(SlotStates):
     ):
         self.config = cfg = model.config
         self.device = next(model.parameters()).device
+        self.fingerprint = model.fingerprint()
         self.max_slots = max_slots
         self.scratch = max_slots  # the extra slot that padding rows of a graph bucket write to
         self.dtype = dtype

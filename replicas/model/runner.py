@@ -33,6 +33,7 @@ class SlotStates:
     config: ModelConfig
     max_slots: int
     states: RNNState
+    fingerprint: str  # the weights' (RWKV7.fingerprint): the prefix cache's files name it
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +63,7 @@ class ModelRunner(SlotStates):
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
+        self.fingerprint = model.fingerprint()
         self.max_slots = max_slots
         # on a GPU this runner is the fp32 reference of tests and benchmarks: the definition there
         self.wkv = wkv or (wkv_chunked if self.device.type == "cpu" else wkv_reference)

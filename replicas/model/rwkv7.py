@@ -14,6 +14,7 @@ vectors are squeezed (see checkpoint.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -327,6 +328,18 @@ class RWKV7(nn.Module):
         if out is None:
             out = RNNState(*(torch.stack(parts).float() for parts in zip(*layers, strict=True)))
         return logits, out
+
+    def fingerprint(self) -> str:
+        """A name for these weights (the prefix cache's files carry it): each tensor's name and
+        shape, and 64 of its values rounded to fp16, so the same in fp32 on a CPU and fp16 on a GPU."""
+        digest = hashlib.blake2b(digest_size=12)
+        samples = []
+        for name, p in self.named_parameters():
+            digest.update(f"{name}{tuple(p.shape)};".encode())
+            flat = p.detach().reshape(-1)
+            samples.append(flat[:: max(1, flat.numel() // 64)][:64].to(torch.float16))
+        digest.update(torch.cat(samples).cpu().numpy().tobytes())
+        return digest.hexdigest()
 
     def logits(self, x: Tensor) -> Tensor:
         """Final norm and head: [n, C] -> fp32 [n, V]."""

@@ -1,5 +1,6 @@
 """The prefix cache's tiers on a CUDA device: demotions copy into pinned host places on the
-cache's own stream, never waiting for the model's, and every move keeps the values exact."""
+cache's own stream, never waiting for the model's; files take snapshots from those places and give
+the places back; every move keeps the values exact."""
 
 import random
 import time
@@ -10,6 +11,7 @@ import torch
 from replicas.model.config import ModelConfig
 from replicas.model.state import RNNState
 from replicas.state_cache import SLAB_PLACES, PrefixStateCache, Snapshot
+from replicas.state_files import DiskTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -99,3 +101,38 @@ def test_the_pinned_places_are_as_many_as_the_host_budget_holds_snapshots():
         cache.insert("", [key], snap(key))
     assert all(entry.place is not None for entry in cache.lru["host"].values())
     cache.clear()
+
+
+def test_the_disk_tier_takes_pinned_snapshots_gives_their_places_back_and_keeps_the_values(tmp_path):
+    rng = random.Random(7)
+    disk = DiskTier(tmp_path, "m")
+    cache = PrefixStateCache(2 * SIZE, SLAB_PLACES * SIZE, "cuda", disk=disk, disk_bytes=40 * (SIZE + 4))
+    held: dict[int, int] = {}  # key -> the value inserted under it last
+    for step in range(400):
+        key = rng.randrange(80)
+        if rng.random() < 0.5:
+            cache.insert("", [key], snap(step))
+            held[key] = step
+        else:
+            found, n = cache.match("", [key])
+            if found is not None:
+                assert same(found, held[key]), f"step {step}: key {key} changed"
+        if step % 50 == 0:
+            disk.flush()
+        cache.check_integrity()
+    disk.flush()
+    cache.check_integrity()
+    m = cache.metrics
+    assert m.disk_writes > 50 and m.disk_reads > 10 and m.entries["disk"] > 20
+    waiting = sum(entry.place is not None for entry in cache.lru["disk"].values())
+    free = sum(len(places) for places in cache._places.free.values())
+    assert waiting == 0 and free + m.entries["host"] == cache._places.places  # every written file's place back
+    kept = {e.tokens[0] for e in cache.lru["device"].values()} | {e.tokens[0] for e in cache.lru["host"].values()}
+    total = sum(m.entries.values())
+    cache.clear()  # saves the device and host tiers' snapshots beside the files
+    again = PrefixStateCache(SIZE, SIZE, "cuda", disk=DiskTier(tmp_path, "m"), disk_bytes=40 * (SIZE + 4))
+    assert again.metrics.entries["disk"] == min(40, total)
+    for key in kept:
+        found, n = again.match("", [key])
+        assert n == 1 and same(found, held[key])
+    again.clear()

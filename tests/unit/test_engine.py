@@ -604,8 +604,42 @@ def test_cache_respects_byte_budgets_and_demotes_to_host(parts):
         assert held and {_layout(s) for s in held} == {_layout(engine.snapshot_like())}
     finally:
         engine.stop()
-    assert engine.cache.metrics.bytes == {"device": 0, "host": 0}  # a stopped engine holds no states
+    assert engine.cache.metrics.bytes == {"device": 0, "host": 0, "disk": 0}  # a stopped engine holds no states
     engine.cache.check_integrity()
+
+
+def test_states_go_to_disk_and_come_back_after_a_restart(parts, alone, tmp_path):
+    """With one snapshot's room in memory, the others' states go to files; a prompt that extends
+    one of them starts from its file, in this engine and in the next one on the directory, with
+    the tokens of a cold start."""
+    model, tok = parts
+    snapshot_bytes = model.config.state_bytes() + 4 * model.config.vocab_size
+    tiers = {"max_slots": 1, "device_cache_bytes": snapshot_bytes, "host_cache_bytes": 0,
+             "disk_cache_bytes": 100 * snapshot_bytes, "disk_cache_dir": tmp_path}
+    head = PROMPTS[0]
+    cold = run(collect(make_engine(parts), Request(tok.encode(head + "\n"), GREEDY)))
+    engine = make_engine(parts, **tiers)
+    try:
+        for prompt in PROMPTS:
+            run(collect(engine, Request(tok.encode(prompt), SamplingParams(max_tokens=2, temperature=0.0))))
+        cache = settle(engine)["cache"]
+        assert cache["disk_entries"] >= 2 and cache["disk_writes"] >= 2 and cache["device_entries"] == 1
+        warm = run(collect(engine, Request(tok.encode(head + "\n"), GREEDY)))
+        assert warm.tokens == cold.tokens and warm.started.cached_tokens >= len(tok.encode(head)) - 1
+        assert settle(engine)["cache"]["disk_reads"] == 1
+    finally:
+        engine.stop()
+    assert list(tmp_path.rglob("*.safetensors"))  # the cache's states, saved when it stopped
+    again = make_engine(parts, **tiers)
+    try:
+        assert again.cache.metrics.entries["disk"] >= 3
+        later = run(collect(again, Request(tok.encode(head + "\n"), GREEDY)))
+        assert later.tokens == cold.tokens
+        assert later.started.cached_tokens >= warm.started.cached_tokens  # (the prompt itself was saved)
+        assert again.snapshot_stats()["cache"]["disk_reads"] == 1
+        settle(again)
+    finally:
+        again.stop()
 
 
 def test_runner_state_matches_consumed_tokens_after_finish(parts):

@@ -2,12 +2,17 @@
 
 import pickle
 import random
+import shutil
+import threading
 
 import torch
+from safetensors.numpy import save_file
 
+from replicas import state_files
 from replicas.model.config import ModelConfig
 from replicas.model.state import RNNState, host_tensor
 from replicas.state_cache import PrefixStateCache, Snapshot, prefix_key
+from replicas.state_files import WRITE_QUEUE, DiskTier
 
 CONFIG = ModelConfig(1, 8, 4, 16, 8, 1, 1, 1, 1)
 
@@ -42,7 +47,7 @@ def test_device_tier_demotes_to_host_then_drops_least_recently_used():
     for i in range(4):
         cache.insert("", [i, i], snap(i))
     cache.check_integrity()
-    assert cache.metrics.entries == {"device": 2, "host": 2}
+    assert cache.metrics.entries == {"device": 2, "host": 2, "disk": 0}
     cache.match("", [0, 0])  # a host hit moves back to the device tier; [1, 1] goes down
     cache.insert("", [4, 4], snap(4))  # now the oldest host entry is dropped
     cache.check_integrity()
@@ -127,3 +132,129 @@ def test_a_host_snapshot_pickles_as_arrays_and_comes_back_whole():
     tensor = host_tensor(read_only)
     tensor.add_(1)
     assert torch.equal(tensor, sent.logits + 1)
+
+
+# -- the disk tier ---------------------------------------------------------------------------
+
+FILE = SIZE + 4 * 2  # a snapshot's file with a two-token prefix
+
+
+def disk_cache(tmp_path, files: int, model: str = "m", device: int = 1, host: int = 1) -> PrefixStateCache:
+    return PrefixStateCache(device * SIZE, host * SIZE, disk=DiskTier(tmp_path / "states", model),
+                            disk_bytes=files * FILE)
+
+
+def files_in(tmp_path) -> set[str]:
+    return {p.name for p in (tmp_path / "states").rglob("*.safetensors")}
+
+
+def test_host_evictions_go_to_disk_and_a_hit_reads_them_back(tmp_path):
+    cache = disk_cache(tmp_path, files=3)
+    for i in range(6):
+        cache.insert("", [i, i], snap(i))
+    cache.disk.flush()
+    cache.check_integrity()  # (takes in the finished writes)
+    m = cache.metrics
+    assert (m.entries, m.bytes["disk"]) == ({"device": 1, "host": 1, "disk": 3}, 3 * FILE)
+    assert (m.disk_writes, m.evictions) == (4, 1)  # [0, 0] was written, then made room for [3, 3]
+    assert files_in(tmp_path) == {f"{prefix_key('', [i, i])}.safetensors" for i in (1, 2, 3)}
+    assert cache.match("", [0, 0, 7])[0] is None
+    found, n = cache.match("", [1, 1, 7])
+    assert n == 2 and torch.equal(found.state.wkv, snap(1).state.wkv) and torch.equal(found.logits, snap(1).logits)
+    assert m.disk_reads == 1 and prefix_key("", [1, 1]) + ".safetensors" not in files_in(tmp_path)
+    exported, n = cache.export("", [2, 2])  # an export reads the file and leaves it
+    assert n == 2 and exported.logits[0].item() == 2 and len(files_in(tmp_path)) == 3
+    cache.check_integrity()
+    cache.clear()
+
+
+def test_a_disk_tier_of_its_own_directory_outlives_the_cache(tmp_path):
+    cache = disk_cache(tmp_path, files=4)
+    for i in range(5):
+        cache.insert("ns", [i, i], snap(i))
+    cache.clear()  # [0, 0] was dropped (4 files at most); device and host saved, the newest last
+    assert len(files_in(tmp_path)) == 4
+    again = disk_cache(tmp_path, files=3)  # a smaller budget keeps the newest
+    assert again.metrics.entries == {"device": 0, "host": 0, "disk": 3}
+    assert [e.tokens for e in again.lru["disk"].values()] == [(2, 2), (3, 3), (4, 4)]
+    assert len(files_in(tmp_path)) == 3
+    for i in (2, 3, 4):
+        found, n = again.match("ns", [i, i, 0])
+        assert n == 2 and found.logits[0].item() == i
+    again.check_integrity()
+    again.clear()
+    other = disk_cache(tmp_path, files=9, model="another model")  # another model's files are not read
+    assert other.metrics.entries["disk"] == 0 and len(files_in(tmp_path)) == 3
+    other.clear()
+
+
+def test_engines_on_one_directory_take_separate_subdirectories(tmp_path):
+    first, second = DiskTier(tmp_path, "m"), DiskTier(tmp_path, "m")
+    assert {first.directory.name, second.directory.name} == {"0", "1"}
+    first.close()
+    third = DiskTier(tmp_path, "m")  # takes back what an ended one left
+    assert third.directory.name == first.directory.name
+    second.close()
+    third.close()
+    temporary = DiskTier(None, "m")
+    assert temporary.directory.is_dir()
+    temporary.close()
+    assert not temporary.directory.exists()
+
+
+def test_a_full_write_queue_or_a_failed_write_drops_the_snapshot(tmp_path, monkeypatch):
+    cache = disk_cache(tmp_path, files=WRITE_QUEUE + 4)
+    go = threading.Event()
+
+    def held_up(*args, **kwargs):  # the writer waits at its first file, and the queue fills
+        go.wait()
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(state_files, "save_file", held_up)
+    for i in range(WRITE_QUEUE + 4):
+        cache.insert("", [i, i], snap(i))
+    assert cache.metrics.disk_drops >= 1
+    go.set()
+    cache.disk.flush()
+    cache.check_integrity()
+    assert cache.metrics.disk_writes == cache.metrics.entries["disk"] <= WRITE_QUEUE + 1
+    broken = disk_cache(tmp_path / "other", files=4)
+    shutil.rmtree(broken.disk.directory)  # the directory gone: writes fail
+    for i in range(4):
+        broken.insert("", [i, i], snap(i))
+    broken.disk.flush()
+    broken.check_integrity()
+    assert broken.metrics.entries["disk"] == 0 and broken.metrics.disk_drops == 2
+    assert broken.match("", [0, 0])[0] is None
+    cache.clear()
+
+
+def test_random_operations_keep_the_books_balanced_with_a_disk_tier(tmp_path):
+    rng = random.Random(5)
+    cache = PrefixStateCache(2 * SIZE, 3 * SIZE, disk=DiskTier(tmp_path, "m"), disk_bytes=4 * SIZE + 64)
+    keys = [tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 6))) for _ in range(40)]
+    for step in range(400):
+        key, ns, action = rng.choice(keys), rng.choice(["", "x"]), rng.random()
+        if action < 0.5:
+            cache.insert(ns, key, snap(step))
+        elif action < 0.95:
+            found, n = cache.match(ns, key + (9,))
+            assert found is None or (n <= len(key) and found.logits.shape == (CONFIG.vocab_size,))
+        else:
+            cache.drop_namespace(ns)
+        if step % 7 == 0:
+            cache.disk.flush()
+        cache.check_integrity()
+    cache.disk.flush()
+    cache.check_integrity()
+    on_disk = {p.name for p in cache.disk.directory.glob("*.safetensors")}
+    assert on_disk == {f"{prefix_key(e.namespace, e.tokens)}.safetensors" for e in cache.lru["disk"].values()}
+    cache.clear()
+
+
+def test_the_fingerprint_names_the_weights_in_either_precision():
+    from replicas.model.rwkv7 import RWKV7, init_random
+
+    model = init_random(RWKV7(CONFIG), seed=1)
+    same, other = init_random(RWKV7(CONFIG), seed=1), init_random(RWKV7(CONFIG), seed=2)
+    assert model.fingerprint() == same.fingerprint() == same.half().fingerprint() != other.fingerprint()
