@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .model.state import RNNState, host_tensor
-from .state_files import DiskTier, StateFile, file_bytes
+from .state_files import WRITE_QUEUE, DiskTier, StateFile, file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,9 @@ class _PinnedPlaces:
     ordinary memory, which leaves torch's pinned allocator (the runner's inputs of every step come
     from it) free meanwhile."""
 
-    def __init__(self, limit_bytes: int):
-        self.limit = limit_bytes  # the tier's budget: no more places than its snapshots can fill
+    def __init__(self, limit_bytes: int, extra: int = 0):
+        self.limit = limit_bytes  # the tier's budget: no more places than its snapshots can fill,
+        self.extra = extra  # and this many more (snapshots on their way to the disk tier hold theirs)
         self.places = 0  # places pinned
         self.slabs: list[Tensor] = []
         self.free: dict[tuple, list[Tensor]] = {}  # snapshot layout -> free places (uint8 views of slabs)
@@ -281,7 +282,7 @@ class _PinnedPlaces:
         process has it): SLAB_PLACES, or fewer where the budget holds fewer snapshots more; False
         at the limit, or once pinning has failed (the host out of memory to lock, which a retry
         would meet again): demotions then copy synchronously to ordinary memory."""
-        count = min(SLAB_PLACES, self.limit // like.nbytes - self.places)
+        count = min(SLAB_PLACES, self.limit // like.nbytes + self.extra - self.places)
         if self.failed or count <= 0:
             return False
         size = self._size(like)
@@ -330,7 +331,7 @@ class PrefixStateCache:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # demotions' copies
-        self._places = _PinnedPlaces(host_bytes) if cuda else None
+        self._places = _PinnedPlaces(host_bytes, self._writes_held(disk)) if cuda else None
         self.disk = disk
         self._writing: dict[StateFile, _Entry] = {}  # disk-tier entries whose files are queued or being written
         self.tries: dict[str, _Trie] = {}
@@ -411,7 +412,7 @@ class PrefixStateCache:
         if self._places is not None:
             torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
             self._places.release()  # (kept pinned for the process's next cache)
-            self._places = _PinnedPlaces(self.budget[HOST])
+            self._places = _PinnedPlaces(self.budget[HOST], self._places.extra)
 
     def reserve_host(self, like: Snapshot) -> int:
         """Pins the host tier's budget for snapshots like `like` now (on a CUDA device; else
@@ -521,6 +522,13 @@ class PrefixStateCache:
                     continue
             self._unaccount(oldest)
             self._drop(oldest)
+
+    @staticmethod
+    def _writes_held(disk: DiskTier | None) -> int:
+        """Host places that snapshots on their way to files hold at most (the queue's, the one being
+        written, one written since the cache last looked): pinned beyond the host budget's, so that
+        the host tier's demotions find theirs."""
+        return WRITE_QUEUE + 2 if disk is not None else 0
 
     def _takes_file(self, entry: _Entry) -> bool:
         return self.disk is not None and file_bytes(entry.snapshot, entry.tokens) <= self.budget[DISK]

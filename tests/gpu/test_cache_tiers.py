@@ -11,7 +11,7 @@ import torch
 from replicas.model.config import ModelConfig
 from replicas.model.state import RNNState
 from replicas.state_cache import SLAB_PLACES, PrefixStateCache, Snapshot
-from replicas.state_files import DiskTier
+from replicas.state_files import WRITE_QUEUE, DiskTier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -124,9 +124,12 @@ def test_the_disk_tier_takes_pinned_snapshots_gives_their_places_back_and_keeps_
     cache.check_integrity()
     m = cache.metrics
     assert m.disk_writes > 50 and m.disk_reads > 10 and m.entries["disk"] > 20
+    # every demotion found a pinned place (those of the files being written are pinned beyond the
+    # host budget's), and every written file's place came back
+    assert all(entry.place is not None for entry in cache.lru["host"].values())
     waiting = sum(entry.place is not None for entry in cache.lru["disk"].values())
     free = sum(len(places) for places in cache._places.free.values())
-    assert waiting == 0 and free + m.entries["host"] == cache._places.places  # every written file's place back
+    assert waiting == 0 and free + m.entries["host"] == cache._places.places == SLAB_PLACES + WRITE_QUEUE + 2
     kept = {e.tokens[0] for e in cache.lru["device"].values()} | {e.tokens[0] for e in cache.lru["host"].values()}
     total = sum(m.entries.values())
     cache.clear()  # saves the device and host tiers' snapshots beside the files
