@@ -295,6 +295,7 @@ class Engine:
         self.stats: Counter[str] = Counter()
         self._rows: dict[int, _Row] = {}
         self._waiting: deque[_Row] = deque()
+        self._reading = 0  # waiting rows whose states' files are being read (_admit)
         self._idle_logits: dict[int, Tensor] = {}  # idle slot -> logits after its tokens
         self._decoded: tuple[list[_Row], Tensor] | None = None  # the last decode call's rows and logits
         self._json: JsonGrammar | None = None  # made at the first request in JSON mode
@@ -447,7 +448,8 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._take_commands(block=not self._rows)
+            # (rows that only wait for their states' files: a read's end wakes the thread)
+            self._take_commands(block=len(self._rows) == self._reading)
             try:
                 self._step()
             except Exception as err:  # a bug, not a model failure: fail every row, keep serving
@@ -506,11 +508,17 @@ class Engine:
     # -- admission ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Gives waiting rows slots, oldest first; a row whose state is a file being read waits
+        for it (the cache's prefetch) while the rows behind it go ahead."""
+        reading = []
         while self._waiting:
             row = self._waiting[0]
+            if self.cache.prefetch(row.namespace, row.request.prompt, self._wake):
+                reading.append(self._waiting.popleft())
+                continue
             choice = self.slots.choose(row.namespace, row.request.prompt)
             if choice is None:
-                return
+                break
             self._waiting.popleft()
             if choice.kind is Choice.BACK:
                 self._back_up(choice.slot, choice.namespace, choice.prefix)
@@ -520,6 +528,12 @@ class Engine:
             row.slot, row.admitted_at = choice.slot, self._steps
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
+        self._waiting.extendleft(reversed(reading))
+        self._reading = len(reading)
+
+    def _wake(self) -> None:
+        """(any thread) The engine thread goes on if it waits for commands."""
+        self._send(("wake",))
 
     def _back_up(self, slot: int, namespace: str, tokens: tuple[int, ...]) -> None:
         """An idle slot is about to be reused: keep its state in the cache unless it is there."""

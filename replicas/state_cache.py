@@ -29,7 +29,8 @@ import struct
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,7 @@ class _Entry:
     tier: str
     place: Tensor | None = None  # the pinned place of a host-tier snapshot (_PinnedPlaces), if it has one
     file: StateFile | None = None  # a disk-tier entry's file
+    reading: Future | None = None  # a disk-tier entry's file being read (prefetch)
 
     @property
     def nbytes(self) -> int:
@@ -358,6 +360,30 @@ class PrefixStateCache:
         self.metrics.hit_tokens += length
         self._place(entry, DEVICE)
         return entry.snapshot, length
+
+    def prefetch(self, namespace: str, tokens: Sequence[int], ready: Callable[[], None]) -> bool:
+        """Whether the longest cached prefix of tokens is a file being read, its read started now if
+        it was not: a request for it waits, and `ready` is called (on the reading thread) once the
+        snapshot is in host memory, where the next match finds it. Changes nothing else."""
+        trie = self.tries.get(namespace)
+        entry, _ = trie.longest(tuple(tokens)) if trie else (None, 0)
+        if entry is None or entry.snapshot is not None:
+            return False
+        if entry.reading is None:
+            entry.reading = self.disk.read_later(entry.file)
+            entry.reading.add_done_callback(lambda _: ready())
+            return True
+        if not entry.reading.done():
+            return True
+        reading, entry.reading = entry.reading, None
+        try:
+            entry.snapshot = reading.result()
+            self.metrics.disk_reads += 1
+        except Exception as err:  # the file gone or damaged: the prefix is prefilled
+            log.warning("disk tier: reading %s failed: %s", entry.file.path.name, err)
+            self._unaccount(entry)
+            self._drop(entry)
+        return False
 
     def contains(self, namespace: str, tokens: Sequence[int]) -> bool:
         """Whether exactly this prefix is cached. Changes nothing, counts nothing."""
@@ -612,7 +638,7 @@ class PrefixStateCache:
         fails leaves them as they were)."""
         if tier == HOST:
             snapshot, place = self._host_copy(entry.snapshot)
-        elif entry.snapshot is None:  # a disk hit
+        elif entry.snapshot is None:  # a disk hit not read ahead (prefetch)
             self.metrics.disk_reads += 1
             snapshot, place = self._device_copy(self.disk.read(entry.file)), None
         else:
@@ -656,6 +682,7 @@ class PrefixStateCache:
             self._writing.pop(entry.file, None)
             self.disk.discard(entry.file)
             entry.file = None
+        entry.reading = None  # (a read under way ends unused)
 
     def _evicted(self, entry: _Entry) -> None:
         self.metrics.evictions += 1

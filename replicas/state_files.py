@@ -11,7 +11,11 @@ a conversation's next turn after a restart starts from its state.
   snapshot over and goes on; one that finds the queue full is not kept, as every evicted snapshot
   was before this tier. A file is written under a temporary name and renamed once whole, so no
   crash leaves half a file under a snapshot's name.
-- Reading is synchronous: a hit's state is needed now.
+- Reading: `read_later` on a thread of its own, so that a request waits for its state's file while
+  the other rows go on (the engine admits it once read); `read` where the state is needed now.
+- The files are written and read here rather than by the safetensors package, whose calls hold
+  Python's lock for the whole copy: a file's bytes go in one write or readinto call, which lets
+  the engine's thread run meanwhile. They are safetensors files all the same.
 - Several engines on one machine may name the same directory: each takes the first numbered
   subdirectory that no live process holds (an flock on its `lock` file, which the kernel lets go
   when the process ends), so a replica that restarts takes back what an ended one left.
@@ -19,11 +23,14 @@ a conversation's next turn after a restart starts from its state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
+import json
 import logging
 import os
 import queue
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -33,8 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
+import torch
 
 from .model.state import RNNState
 
@@ -83,6 +89,7 @@ class DiskTier:
         self._stamp = 0  # the last write's order (ns): the files are taken back in it
         self._writer = threading.Thread(target=self._write_loop, name="rwkv-state-files", daemon=True)
         self._writer.start()
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rwkv-state-reads")
 
     def adopt(self) -> list[tuple[str, tuple[int, ...], StateFile]]:
         """(namespace, tokens, file) of every whole file this model wrote here, in the order they
@@ -93,12 +100,14 @@ class DiskTier:
             path.unlink(missing_ok=True)
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
-                with safe_open(path, "np") as f:
-                    meta = f.metadata() or {}
+                with open(path, "rb") as f:
+                    header, meta, begin = _header(f)
                     if meta.get("format") != FORMAT or meta.get("model") != self.fingerprint:
                         continue
-                    tokens = tuple(int(t) for t in f.get_tensor("tokens"))
-                    nbytes = sum(_nbytes(f, name) for name in (*_STATE, "logits", "tokens"))
+                    lo, hi = header["tokens"]["data_offsets"]
+                    f.seek(begin + lo)
+                    tokens = tuple(np.frombuffer(f.read(hi - lo), dtype="<i4").tolist())
+                nbytes = sum(end - start for start, end in (header[name]["data_offsets"] for name in _NAMES))
                 found.append((int(meta.get("queued_ns", 0)), meta.get("namespace", ""), tokens,
                               StateFile(path, nbytes, written=True, done=True)))
             except Exception as err:  # a damaged or foreign file: not this tier's
@@ -123,9 +132,22 @@ class DiskTier:
         """The snapshot in a written file, in host memory."""
         from .state_cache import Snapshot  # noqa: PLC0415 - (state_cache imports this module)
 
-        with safe_open(file.path, "pt") as f:
-            state = RNNState(*(f.get_tensor(name) for name in _STATE))
-            return Snapshot(state, f.get_tensor("logits"))
+        with open(file.path, "rb") as f:
+            header, _, begin = _header(f)
+            data = bytearray(os.fstat(f.fileno()).st_size - begin)
+            f.readinto(data)  # (one call, without Python's lock)
+        tensors = []
+        for name in (*_STATE, "logits"):
+            entry = header[name]
+            lo, hi = entry["data_offsets"]
+            dtype = _TORCH[entry["dtype"]]
+            count = (hi - lo) // dtype.itemsize
+            tensors.append(torch.frombuffer(data, dtype=dtype, count=count, offset=lo).view(entry["shape"]))
+        return Snapshot(RNNState(*tensors[:3]), tensors[3])
+
+    def read_later(self, file: StateFile) -> concurrent.futures.Future:
+        """`read(file)` on the reading thread."""
+        return self._reader.submit(self.read, file)
 
     def discard(self, file: StateFile) -> None:
         """The file is not wanted: deleted now, or by the writer once it is written."""
@@ -149,6 +171,7 @@ class DiskTier:
         """Waits for the writes queued, then lets the directory go (a temporary one is removed)."""
         self._queue.put((None, "", (), None, 0))
         self._writer.join()
+        self._reader.shutdown(wait=True)
         if self.temporary:
             shutil.rmtree(self.directory, ignore_errors=True)
         elif self._lock_file is not None:
@@ -171,12 +194,11 @@ class DiskTier:
         if not file.discarded:
             try:
                 snapshot.wait()
-                arrays = {name: np.ascontiguousarray(t.numpy())
-                          for name, t in zip((*_STATE, "logits"), snapshot.tensors(), strict=True)}
-                arrays["tokens"] = np.asarray(tokens, dtype=np.int32)
+                arrays = [t.numpy() for t in snapshot.tensors()] + [np.asarray(tokens, dtype="<i4")]
                 temporary = file.path.with_suffix(".tmp")
-                save_file(arrays, temporary, metadata={"format": FORMAT, "model": self.fingerprint,
-                                                       "namespace": namespace, "queued_ns": str(stamp)})
+                _write_file(temporary, dict(zip(_NAMES, arrays, strict=True)),
+                            {"format": FORMAT, "model": self.fingerprint, "namespace": namespace,
+                             "queued_ns": str(stamp)})
                 os.replace(temporary, file.path)
                 written = True
             except Exception as err:  # the disk full, the directory gone: the snapshot is not kept
@@ -194,16 +216,34 @@ def file_bytes(snapshot: Snapshot, tokens: Sequence[int]) -> int:
     return snapshot.nbytes + 4 * len(tokens)
 
 
-def _nbytes(f, name: str) -> int:
-    """Bytes of a tensor in an open safetensors file."""
-    piece = f.get_slice(name)
-    count = 1
-    for n in piece.get_shape():
-        count *= n
-    return count * np.dtype(_NUMPY[piece.get_dtype()]).itemsize
+_NAMES = (*_STATE, "logits", "tokens")
+_DTYPES = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}
+_TORCH = {"F32": torch.float32, "F16": torch.float16, "I32": torch.int32, "I64": torch.int64}
 
 
-_NUMPY = {"F32": "float32", "F16": "float16", "I32": "int32", "I64": "int64"}
+def _write_file(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """A safetensors file: the header's length (8 bytes, little-endian), its JSON (padded to 8
+    bytes), then each array's bytes in order."""
+    header: dict = {"__metadata__": metadata}
+    at = 0
+    for name, a in arrays.items():
+        header[name] = {"dtype": _DTYPES[a.dtype.name], "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for a in arrays.values():
+            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))  # (without Python's lock)
+
+
+def _header(f) -> tuple[dict, dict, int]:
+    """A safetensors file's header, its metadata, and where its data begins."""
+    (length,) = struct.unpack("<Q", f.read(8))
+    if length > 1 << 26:
+        raise ValueError(f"a header of {length} bytes")
+    header = json.loads(f.read(length))
+    return header, header.pop("__metadata__", {}), 8 + length
 
 
 def _claim(root: Path) -> tuple[Path, object]:

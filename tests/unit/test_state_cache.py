@@ -6,7 +6,7 @@ import shutil
 import threading
 
 import torch
-from safetensors.numpy import save_file
+from safetensors import safe_open
 
 from replicas import state_files
 from replicas.model.config import ModelConfig
@@ -164,6 +164,16 @@ def test_host_evictions_go_to_disk_and_a_hit_reads_them_back(tmp_path):
     assert m.disk_reads == 1 and prefix_key("", [1, 1]) + ".safetensors" not in files_in(tmp_path)
     exported, n = cache.export("", [2, 2])  # an export reads the file and leaves it
     assert n == 2 and exported.logits[0].item() == 2 and len(files_in(tmp_path)) == 3
+    read = threading.Event()
+    assert cache.prefetch("", [3, 3, 7], read.set)  # read ahead: the request waits for it
+    assert read.wait(10) and not cache.prefetch("", [3, 3, 7], read.set)  # in host memory now
+    assert not cache.prefetch("", [0, 0], read.set) and not cache.prefetch("", [1, 1], read.set)  # none, device
+    found, n = cache.match("", [3, 3])
+    assert n == 2 and found.logits[0].item() == 3 and m.disk_reads == 3
+    # they are safetensors files, whatever reads them
+    with safe_open(next((tmp_path / "states").rglob("*.safetensors")), "pt") as f:
+        assert f.get_tensor("tokens").tolist() == [2, 2] and f.get_tensor("logits")[0].item() == 2
+        assert f.metadata()["model"] == "m"
     cache.check_integrity()
     cache.clear()
 
@@ -204,13 +214,13 @@ def test_engines_on_one_directory_take_separate_subdirectories(tmp_path):
 
 def test_a_full_write_queue_or_a_failed_write_drops_the_snapshot(tmp_path, monkeypatch):
     cache = disk_cache(tmp_path, files=WRITE_QUEUE + 4)
-    go = threading.Event()
+    go, write = threading.Event(), state_files._write_file
 
     def held_up(*args, **kwargs):  # the writer waits at its first file, and the queue fills
         go.wait()
-        return save_file(*args, **kwargs)
+        return write(*args, **kwargs)
 
-    monkeypatch.setattr(state_files, "save_file", held_up)
+    monkeypatch.setattr(state_files, "_write_file", held_up)
     for i in range(WRITE_QUEUE + 4):
         cache.insert("", [i, i], snap(i))
     assert cache.metrics.disk_drops >= 1
