@@ -2,13 +2,16 @@
 prefix cache, against prefilling the prefix: one engine (no Ray), one run, on the CPU or a GPU.
 
 A conversation's first turn is a prompt of `--prefix` random tokens (its time to first token is
-the cold case); its next turn adds `--turn` tokens. Between the two, short requests push the
-first turn's state down the tiers (after one too short to cache has taken the engine's one slot,
-which held the state): none (it stays in the device tier), one (the host tier), two
-(a file in the disk tier, still in the page cache), two and the file's pages dropped from the page
-cache (`posix_fadvise`), so that the read comes from the drive. The cache holds one snapshot on
-the device and one on the host, so each short request moves it one tier. Medians of `--reps`
-conversations a tier, each its own prompt.
+the cold case); its next turn adds `--turn` tokens. Between the two, two prompts too short to cache
+take the engine's two slots (one held the state), and short requests push the first turn's state
+down the tiers: none (it stays in the device tier), one (the host tier), two (a file in the disk
+tier, still in the page cache), two and the file's pages dropped from the page cache
+(`posix_fadvise`), so that the read comes from the drive; and that again with the file read on
+the engine's thread when the turn is admitted (the cache's read-ahead turned off), as it was first
+built. The cache holds one snapshot on the device and one on the host, so each short request moves
+it one tier. Another request decodes beside each turn: the table also gives the longest wait
+between two of its tokens around the turn's admission, what a file read costs the rows that are
+running. Medians of `--reps` conversations a case, each its own prompt.
 
     python bench/cache_tiers.py [--model demo|0.1b|1.5b|7.2b] [--prefix 2000] [--turn 20] [--reps 3]
                                 [--device cpu|cuda] [--dir DIR] [--threads N]
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import os
 import random
 import statistics
@@ -36,20 +41,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_cpu import first_token_seconds, say  # noqa: E402
 
-from replicas.engine import Engine, EngineConfig  # noqa: E402
+from replicas.engine import Delta, Engine, EngineConfig, Request  # noqa: E402
 from replicas.model.checkpoint import WORLD_VOCAB  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
+from replicas.sampling import SamplingParams  # noqa: E402
 from replicas.state_cache import prefix_key  # noqa: E402
 from replicas.tokenizer import load_tokenizer  # noqa: E402
 
-CASES = ("device", "host", "disk, page cache", "disk, drive")
-PUSHES = {"device": 0, "host": 1, "disk, page cache": 2, "disk, drive": 2}
+CASES = ("device", "host", "disk, page cache", "disk, drive", "disk, drive, read in the step")
+PUSHES = {"device": 0, "host": 1, "disk, page cache": 2, "disk, drive": 2, "disk, drive, read in the step": 2}
+
+
+async def turn_beside(engine: Engine, turn: list[int], beside: list[int]) -> tuple[float, int, float]:
+    """The turn's time to first token and cached tokens, while another request decodes, and the
+    longest wait between two of that request's tokens around the turn's admission (seconds)."""
+    arrivals: list[float] = []
+
+    async def decode() -> None:
+        params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+        async for event in engine.generate(Request(beside, params)):
+            if isinstance(event, Delta):
+                arrivals.append(time.perf_counter())
+
+    task = asyncio.create_task(decode())
+    while len(arrivals) < 8:
+        await asyncio.sleep(0.001)
+    start = time.perf_counter()
+    first, _, cached = await first_token_seconds(engine, turn)
+    end = time.perf_counter()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    around = [t for t in arrivals if start - 0.02 <= t <= end + 0.03]
+    return first, cached, max(b - a for a, b in itertools.pairwise(around))
 
 
 def open_runner(name: str, device: str):
     """(runner, tokenizer) of the demo model, or of a random model of a released shape."""
     if name == "demo":
-        runner, tokenizer, _ = open_model(default_model_dir(), max_slots=1, device=device)
+        runner, tokenizer, _ = open_model(default_model_dir(), max_slots=2, device=device)
         return runner, tokenizer
     from gpu import SHAPES, random_model  # noqa: PLC0415 (bench/gpu.py, beside this file)
 
@@ -57,10 +88,10 @@ def open_runner(name: str, device: str):
         model = random_model(SHAPES[name], torch.float32, device="cpu")
         from replicas.model.runner import ModelRunner  # noqa: PLC0415
 
-        return ModelRunner(model, 1), load_tokenizer(WORLD_VOCAB)
+        return ModelRunner(model, 2), load_tokenizer(WORLD_VOCAB)
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
 
-    runner = CudaRunner(random_model(SHAPES[name], torch.float16), 1)
+    runner = CudaRunner(random_model(SHAPES[name], torch.float16), 2)
     runner.warm_up(say)
     return runner, load_tokenizer(WORLD_VOCAB)
 
@@ -87,6 +118,10 @@ def drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+async def _both(engine: Engine, prompts: list[list[int]]) -> None:
+    await asyncio.gather(*(first_token_seconds(engine, p) for p in prompts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo")
@@ -104,19 +139,22 @@ def main() -> None:
     rng = random.Random(0)
     vocab = min(runner.vocab_size, tokenizer.vocab_size) - 1
     ttft: dict[str, list[float]] = {case: [] for case in ("none", *CASES)}
+    stall: dict[str, list[float]] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="cache-tiers-") as tmp:
-        config = EngineConfig(max_slots=1, device_cache_bytes=snapshot, host_cache_bytes=snapshot,
+        config = EngineConfig(max_slots=2, device_cache_bytes=snapshot, host_cache_bytes=snapshot,
                               disk_cache_bytes=64 * snapshot, disk_cache_dir=Path(tmp),
                               checkpoint_interval=1 << 30, token_chunk_size=4096, max_prefill_tokens=4096)
         engine = Engine(runner, tokenizer, config).start(say)
+        prefetch = engine.cache.prefetch
         try:
             for rep in range(args.reps + 1):  # the first round warms every path up, untimed
                 for case in CASES:
                     prompt = [rng.randrange(1, vocab) for _ in range(args.prefix)]
                     turn = prompt + [rng.randrange(1, vocab) for _ in range(args.turn)]
                     cold, _, _ = asyncio.run(first_token_seconds(engine, prompt))
-                    # the slot goes to a prompt too short to cache, so the turn takes the state from the cache
-                    asyncio.run(first_token_seconds(engine, [rng.randrange(1, vocab) for _ in range(8)]))
+                    # both slots go to prompts too short to cache, so the turn takes the state from the cache
+                    fillers = [[rng.randrange(1, vocab) for _ in range(8)] for _ in range(2)]
+                    asyncio.run(_both(engine, fillers))
                     for _ in range(PUSHES[case]):  # each short request's state pushes the prompt's a tier down
                         push = [rng.randrange(1, vocab) for _ in range(config.cache_min_tokens)]
                         asyncio.run(first_token_seconds(engine, push))
@@ -125,16 +163,20 @@ def main() -> None:
                         if case == "disk, drive":
                             drop_from_page_cache(engine.cache.disk.directory / f"{prefix_key('', prompt)}.safetensors")
                     reads = engine.snapshot_stats()["cache"]["disk_reads"]
+                    in_step = case.endswith("in the step")
+                    engine.cache.prefetch = (lambda *_: False) if in_step else prefetch
                     start = time.perf_counter()
-                    first, _, cached = asyncio.run(first_token_seconds(engine, turn))
+                    beside = [rng.randrange(1, vocab) for _ in range(8)]
+                    first, cached, gap = asyncio.run(turn_beside(engine, turn, beside))
                     assert cached == len(prompt), f"{case}: {cached} of {len(prompt)} tokens cached"
                     stats = engine.snapshot_stats()["cache"]
                     assert stats["disk_reads"] == reads + case.startswith("disk"), (case, stats)
                     if rep:
                         ttft["none"].append(cold)
                         ttft[case].append(first)
-                        say(f"[{args.model}] {case}: {first * 1e3:.1f} ms against {cold * 1e3:.0f} ms cold "
-                            f"({time.perf_counter() - start:.2f} s)")
+                        stall[case].append(gap)
+                        say(f"[{args.model}] {case}: {first * 1e3:.1f} ms against {cold * 1e3:.0f} ms cold; "
+                            f"the row beside waited {gap * 1e3:.1f} ms at most ({time.perf_counter() - start:.2f} s)")
         finally:
             engine.stop()
         fs = filesystem(Path(tmp))
@@ -146,6 +188,8 @@ def main() -> None:
     cells = [f"{ms[case]:.1f} ms ({ms['none'] / ms[case]:.0f}×)" for case in CASES]
     row = [args.model, f"{snapshot / 2**20:.1f} MiB", f"{args.prefix:,}", f"{ms['none']:.0f} ms", *cells]
     print("| " + " | ".join(row) + " |")
+    waits = [f"{1e3 * statistics.median(stall[case]):.1f} ms" for case in CASES]
+    print("| the longest wait of a row decoding beside | | | | " + " | ".join(waits) + " |")
 
 
 if __name__ == "__main__":
