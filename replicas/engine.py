@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from torch import Tensor
 
 from .init_states import InitState, InitStateError
@@ -82,6 +82,12 @@ class EngineConfig(BaseModel):
         "prompts arriving at nearby steps share one call (on a GPU each call is a pass over the weights): more "
         "tokens a second for a later first token; a budget of max_prefill_tokens waiting goes at once. 1: a call "
         "every step that has prompt tokens")
+
+    @model_validator(mode="after")
+    def _a_directory_for_a_budget(self) -> EngineConfig:
+        if self.disk_cache_dir is not None and not self.disk_cache_bytes:
+            raise ValueError("disk_cache_dir is set but disk_cache_bytes is 0: give the disk tier a budget")
+        return self
 
 
 class EngineBusy(RuntimeError):

@@ -157,4 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # (through the package's own module: under `python -m` this one is __main__, and the CliError
+    # that serve.py raises is the package module's class, which this module's `except` would miss)
+    from serve_app.cli import main as package_main
+
+    sys.exit(package_main())

@@ -51,8 +51,8 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _check_model(config: AppConfig) -> None:
-    """Fails fast, with one line, on a model directory the replicas could not open, or on an init
-    state of the config that does not fit it."""
+    """Fails fast, with one line, on a model directory the replicas could not open, on an init
+    state of the config that does not fit it, or on a disk cache directory that cannot be made."""
     from replicas.model.config import read_config  # noqa: PLC0415
     from replicas.model.loader import default_model_dir  # noqa: PLC0415
 
@@ -64,6 +64,11 @@ def _check_model(config: AppConfig) -> None:
         raise CliError(f"{model_dir}: tokenizer file {card.tokenizer!r} is missing")
     catalog = StateCatalog(None, model, config.states_dir, config.state_sync_timeout_s)
     asyncio.run(catalog.read_configured(config.init_states))  # the files the ingress will load
+    if config.engine.disk_cache_bytes and config.engine.disk_cache_dir is not None:
+        try:  # (the local replicas will write there)
+            config.engine.disk_cache_dir.expanduser().mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CliError(f"engine.disk_cache_dir {config.engine.disk_cache_dir}: {err.strerror or err}") from None
 
 
 def _local_cpus(config: AppConfig) -> int:

@@ -139,5 +139,10 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("serve", "--config", str(bad)), "engine.max_slots")
     bad.write_text("engine: [\n")
     refused(cli("serve", "--config", str(bad)), "not valid YAML")
+    bad.write_text("engine:\n  disk_cache_dir: states\n")
+    refused(cli("serve", "--config", str(bad)), "disk_cache_bytes is 0")
+    (tmp_path / "a file").write_text("")
+    bad.write_text(f"engine:\n  disk_cache_bytes: 1000000\n  disk_cache_dir: {tmp_path / 'a file' / 'states'}\n")
+    refused(cli("serve", "--config", str(bad)), "engine.disk_cache_dir")
     usage = cli("generate", "--max-tokens", "many", "x")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
