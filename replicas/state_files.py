@@ -61,13 +61,12 @@ class DiskTierError(OSError):
 
 @dataclass(eq=False)
 class StateFile:
-    """One snapshot's file. `written`: whole on disk under `path`; `done`: its write has ended
-    (written, failed or skipped); `discarded`: not wanted any more (deleted once written)."""
+    """One snapshot's file. `written`: whole on disk under `path`; `discarded`: not wanted any
+    more (deleted once written)."""
 
     path: Path
     nbytes: int  # what it counts against the budget: the snapshot's bytes and its tokens'
     written: bool = False
-    done: bool = False
     discarded: bool = False
 
 
@@ -93,8 +92,7 @@ class DiskTier:
 
     def adopt(self) -> list[tuple[str, tuple[int, ...], StateFile]]:
         """(namespace, tokens, file) of every whole file this model wrote here, in the order they
-        were queued.
-        Temporary files of writes a crash cut short are removed."""
+        were queued. Temporary files of writes that a crash cut short are removed."""
         found = []
         for path in self.directory.glob("*.tmp"):
             path.unlink(missing_ok=True)
@@ -109,7 +107,7 @@ class DiskTier:
                     tokens = tuple(np.frombuffer(f.read(hi - lo), dtype="<i4").tolist())
                 nbytes = sum(end - start for start, end in (header[name]["data_offsets"] for name in _NAMES))
                 found.append((int(meta.get("queued_ns", 0)), meta.get("namespace", ""), tokens,
-                              StateFile(path, nbytes, written=True, done=True)))
+                              StateFile(path, nbytes, written=True)))
             except Exception as err:  # a damaged or foreign file: not this tier's
                 log.warning("disk tier: skipping %s (%s)", path, str(err)[:120])
         found.sort(key=lambda item: item[0])
@@ -119,7 +117,7 @@ class DiskTier:
               block: bool = False) -> StateFile | None:
         """Queues the snapshot's file (`name`: unique per prefix); None when the queue is full
         (unless `block`: then waits for room). The snapshot's tensors must stay as they are until
-        the file is `done` (finished())."""
+        finished() returns the file."""
         file = StateFile(self.directory / f"{name}{SUFFIX}", file_bytes(snapshot, tokens))
         self._stamp = max(time.time_ns(), self._stamp + 1)  # (a file's mtime may tie with the last one's)
         try:
@@ -204,7 +202,7 @@ class DiskTier:
             except Exception as err:  # the disk full, the directory gone: the snapshot is not kept
                 log.warning("disk tier: writing %s failed: %s", file.path.name, err)
         with self._lock:
-            file.written, file.done = written, True
+            file.written = written
             if file.discarded and written:
                 file.path.unlink(missing_ok=True)
                 file.written = False

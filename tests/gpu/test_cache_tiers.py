@@ -50,12 +50,13 @@ def test_a_demotion_does_not_wait_for_the_model_and_keeps_the_values():
     cache.check_integrity()
 
 
-def test_places_are_reused_and_every_move_keeps_its_values():
-    rng = random.Random(5)
-    cache = PrefixStateCache(3 * SIZE, 2 * SLAB_PLACES * SIZE, "cuda")
-    held: dict[int, int] = {}  # key -> the value inserted under it last
+def shuffle(cache: PrefixStateCache, keys: int, seed: int, each_step=lambda step: None) -> dict[int, int]:
+    """400 random inserts and matches, every hit checked against the value inserted under its key
+    last (returned: key -> that value)."""
+    rng = random.Random(seed)
+    held: dict[int, int] = {}
     for step in range(400):
-        key = rng.randrange(60)
+        key = rng.randrange(keys)
         if rng.random() < 0.5:
             cache.insert("", [key], snap(step))
             held[key] = step
@@ -63,7 +64,14 @@ def test_places_are_reused_and_every_move_keeps_its_values():
             found, n = cache.match("", [key])
             if found is not None:
                 assert same(found, held[key]), f"step {step}: key {key} changed"
+        each_step(step)
         cache.check_integrity()
+    return held
+
+
+def test_places_are_reused_and_every_move_keeps_its_values():
+    cache = PrefixStateCache(3 * SIZE, 2 * SLAB_PLACES * SIZE, "cuda")
+    shuffle(cache, keys=60, seed=5)
     assert cache.metrics.demotions > 100 and cache.metrics.evictions > 0
     assert len(cache._places.slabs) == 2  # the host budget's worth of places, pinned once
 
@@ -104,22 +112,9 @@ def test_the_pinned_places_are_as_many_as_the_host_budget_holds_snapshots():
 
 
 def test_the_disk_tier_takes_pinned_snapshots_gives_their_places_back_and_keeps_the_values(tmp_path):
-    rng = random.Random(7)
     disk = DiskTier(tmp_path, "m")
     cache = PrefixStateCache(2 * SIZE, SLAB_PLACES * SIZE, "cuda", disk=disk, disk_bytes=40 * (SIZE + 4))
-    held: dict[int, int] = {}  # key -> the value inserted under it last
-    for step in range(400):
-        key = rng.randrange(80)
-        if rng.random() < 0.5:
-            cache.insert("", [key], snap(step))
-            held[key] = step
-        else:
-            found, n = cache.match("", [key])
-            if found is not None:
-                assert same(found, held[key]), f"step {step}: key {key} changed"
-        if step % 50 == 0:
-            disk.flush()
-        cache.check_integrity()
+    held = shuffle(cache, keys=80, seed=7, each_step=lambda step: step % 50 or disk.flush())
     disk.flush()
     cache.check_integrity()
     m = cache.metrics
