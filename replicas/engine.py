@@ -290,7 +290,7 @@ class Engine:
         self.sampler = Sampler(runner.max_slots, runner.vocab_size, runner.device)
         disk = None
         if self.config.disk_cache_bytes:
-            disk = DiskTier(self.config.disk_cache_dir, runner.fingerprint)
+            disk = DiskTier(self.config.disk_cache_dir, runner.fingerprint, pin=runner.device.type == "cuda")
         self.cache = PrefixStateCache(_device_cache_bytes(self.config, runner.device), self.config.host_cache_bytes,
                                       runner.device, disk=disk, disk_bytes=self.config.disk_cache_bytes)
         if disk is not None:

@@ -72,10 +72,12 @@ class StateFile:
 
 class DiskTier:
     """Files of one model's snapshots in `directory` (None: a temporary directory, removed by
-    close). `fingerprint` names the model; files of another are left alone."""
+    close). `fingerprint` names the model; files of another are left alone. `pin`: files are read
+    into page-locked memory (for a CUDA device: their copy there then does not hold up the host)."""
 
-    def __init__(self, directory: Path | None, fingerprint: str):
+    def __init__(self, directory: Path | None, fingerprint: str, pin: bool = False):
         self.fingerprint = fingerprint
+        self.pin = pin
         self.temporary = directory is None
         if directory is None:
             self.directory = Path(tempfile.mkdtemp(prefix="rwkv-fleet-states-"))
@@ -132,15 +134,13 @@ class DiskTier:
 
         with open(file.path, "rb") as f:
             header, _, begin = _header(f)
-            data = bytearray(os.fstat(f.fileno()).st_size - begin)
-            f.readinto(data)  # (one call, without Python's lock)
+            data = torch.empty(os.fstat(f.fileno()).st_size - begin, dtype=torch.uint8, pin_memory=self.pin)
+            f.readinto(data.numpy())  # (one call, without Python's lock)
         tensors = []
         for name in (*_STATE, "logits"):
             entry = header[name]
             lo, hi = entry["data_offsets"]
-            dtype = _TORCH[entry["dtype"]]
-            count = (hi - lo) // dtype.itemsize
-            tensors.append(torch.frombuffer(data, dtype=dtype, count=count, offset=lo).view(entry["shape"]))
+            tensors.append(data[lo:hi].view(_TORCH[entry["dtype"]]).view(entry["shape"]))
         return Snapshot(RNNState(*tensors[:3]), tensors[3])
 
     def read_later(self, file: StateFile) -> concurrent.futures.Future:

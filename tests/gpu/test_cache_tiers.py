@@ -112,7 +112,7 @@ def test_the_pinned_places_are_as_many_as_the_host_budget_holds_snapshots():
 
 
 def test_the_disk_tier_takes_pinned_snapshots_gives_their_places_back_and_keeps_the_values(tmp_path):
-    disk = DiskTier(tmp_path, "m")
+    disk = DiskTier(tmp_path, "m", pin=True)
     cache = PrefixStateCache(2 * SIZE, SLAB_PLACES * SIZE, "cuda", disk=disk, disk_bytes=40 * (SIZE + 4))
     held = shuffle(cache, keys=80, seed=7, each_step=lambda step: step % 50 or disk.flush())
     disk.flush()
@@ -125,6 +125,9 @@ def test_the_disk_tier_takes_pinned_snapshots_gives_their_places_back_and_keeps_
     waiting = sum(entry.place is not None for entry in cache.lru["disk"].values())
     free = sum(len(places) for places in cache._places.free.values())
     assert waiting == 0 and free + m.entries["host"] == cache._places.places == SLAB_PLACES + WRITE_QUEUE + 2
+    on_disk = next(e for e in cache.lru["disk"].values() if e.snapshot is None)
+    read = disk.read(on_disk.file)  # into page-locked memory: its copy to the device is asynchronous
+    assert read.state.wkv.is_pinned() and same(read, held[on_disk.tokens[0]])
     kept = {e.tokens[0] for e in cache.lru["device"].values()} | {e.tokens[0] for e in cache.lru["host"].values()}
     total = sum(m.entries.values())
     cache.clear()  # saves the device and host tiers' snapshots beside the files
