@@ -433,7 +433,7 @@ class PrefixStateCache:
             self.drop_namespace(namespace, keep_files=keep)
         if self.disk is not None:
             self.disk.close()
-            self._collect_writes()
+            self._writing.clear()  # (files kept, or discarded with their entries)
             self.disk = None
         if self._places is not None:
             torch.cuda.synchronize(self.device)  # no copy reads or writes a place any more
@@ -583,10 +583,7 @@ class PrefixStateCache:
         if file is None:
             self.metrics.disk_drops += 1
             return False
-        while self.metrics.bytes[DISK] + size > self.budget[DISK]:
-            _, oldest = next(iter(self.lru[DISK].items()))
-            self._unaccount(oldest)
-            self._drop(oldest)
+        self._drop_oldest_files(size)
         self.metrics.disk_writes += 1
         self._unaccount(entry)
         entry.file, entry.tier = file, DISK
@@ -623,10 +620,14 @@ class PrefixStateCache:
                 self._unaccount(old)
                 self._release(old)
             self._account(entry)
-            while self.metrics.bytes[DISK] > self.budget[DISK]:
-                _, oldest = next(iter(self.lru[DISK].items()))
-                self._unaccount(oldest)
-                self._drop(oldest)
+            self._drop_oldest_files(0)
+
+    def _drop_oldest_files(self, nbytes: int) -> None:
+        """Drops the disk tier's least recently used files until nbytes more fit in its budget."""
+        while self.metrics.bytes[DISK] + nbytes > self.budget[DISK]:
+            _, oldest = next(iter(self.lru[DISK].items()))
+            self._unaccount(oldest)
+            self._drop(oldest)
 
     def _drop(self, entry: _Entry) -> None:
         self.tries[entry.namespace].remove(entry.tokens)
