@@ -430,8 +430,17 @@ class Engine:
         return namespace, self.call(lambda: self.cache.longest(namespace, prompt))
 
     def export_prefix(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
-        """A host copy of the longest cached prefix of prompt in namespace, and its length."""
-        return self.call(lambda: self._export(namespace, prompt))
+        """A host copy of the longest cached prefix of prompt in namespace, and its length; (None,
+        0) if none. A state in the disk tier is read on the cache's reading thread while the
+        engine's rows go on, and waited for here."""
+        snapshot, length = self.call(lambda: self._export(namespace, prompt))
+        if isinstance(snapshot, concurrent.futures.Future):
+            try:
+                snapshot = snapshot.result()
+            except Exception as err:  # the file went meanwhile (a hit took it, the budget dropped it)
+                log.warning("exporting a state: its file could not be read: %s", err)
+                return None, 0
+        return snapshot, length
 
     def import_prefix(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
         """Caches another engine's snapshot of tokens; False if it does not fit this model or the
@@ -764,12 +773,12 @@ class Engine:
     def _apply_init_state(self, init: InitState) -> None:
         states = dict(self.init_states)
         old = states.pop(init.id, None)
-        if old is not None:
-            self._forget_namespace(old.namespace)
         if init.default:
             states = {k: _replace_default(v, False) for k, v in states.items()}
         states[init.id] = init
         self.init_states = states
+        if old is not None:
+            self._forget_namespace(old.namespace)
 
     def _drop_init_state(self, state_id: str) -> bool:
         states = dict(self.init_states)
@@ -781,14 +790,18 @@ class Engine:
         return True
 
     def _forget_namespace(self, namespace: str) -> None:
-        """Rows already running keep their copied state; only cached and idle copies go."""
+        """A namespace no loaded init state has any more: its cached and idle copies go (rows
+        already running keep their copied state). One that a loaded state still has (the same
+        values) stays."""
+        if any(s.namespace == namespace for s in self.init_states.values()):
+            return
         self.cache.drop_namespace(namespace)
         for slot in self.slots.slots:
             if slot.phase is Phase.IDLE and slot.namespace == namespace:
                 self._idle_logits.pop(slot.index, None)
         self.slots.forget(namespace)
 
-    def _export(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | None, int]:
+    def _export(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | concurrent.futures.Future | None, int]:
         snapshot, length = self.cache.export(namespace, prompt)
         if snapshot is not None:
             self.stats["states_moved_out"] += 1
@@ -897,4 +910,4 @@ def put_all(items: list[tuple[RequestStream, Event]]) -> None:
 def _replace_default(init: InitState, default: bool) -> InitState:
     if init.default == default:
         return init
-    return InitState(init.id, init.name, init.state, default, init.version)
+    return replace(init, default=default)

@@ -9,6 +9,7 @@ holds what it was told to load.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 import uuid
@@ -33,11 +34,26 @@ class InitState:
     state: RNNState  # one row: on the host as read, on the runner's device once an engine holds it
     default: bool = False
     version: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    digest: str = ""  # of the state's values (state_digest), computed when not given
+
+    def __post_init__(self):
+        if not self.digest:
+            object.__setattr__(self, "digest", state_digest(self.state))
 
     @property
     def namespace(self) -> str:
-        """The prefix cache's namespace: a reloaded state with the same id shares no cache entries."""
-        return f"{self.id}@{self.version}"
+        """The prefix cache's namespace: the state's values, so that the prefixes cached from a
+        state are found again wherever the same values are loaded (after a restart, on another
+        replica, under another name), and a changed state finds none."""
+        return f"init:{self.digest}"
+
+
+def state_digest(state: RNNState) -> str:
+    """A hash of a one-row state's values, as fp32."""
+    h = hashlib.blake2b(digest_size=16)
+    for tensor in state.tensors():
+        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 _LAYOUTS = ("an init state holds 'wkv' [L, H, N, N] and optionally 'att_shift', 'ffn_shift' [L, C], "

@@ -453,9 +453,11 @@ class PrefixStateCache:
         trie = self.tries.get(namespace)
         return trie.longest(tuple(tokens))[1] if trie else 0
 
-    def export(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
+    def export(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | Future[Snapshot] | None, int]:
         """A host copy of the longest cached prefix's snapshot, to move it to another engine, and
-        its length; (None, 0) if none. Counts nothing, moves nothing between tiers."""
+        its length; (None, 0) if none. A file's copy is read on the disk tier's reading thread, so
+        the caller gets a Future of it (whose result raises if the file went meanwhile). Counts
+        nothing, moves nothing between tiers."""
         self._collect_writes()
         trie = self.tries.get(namespace)
         entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
@@ -463,7 +465,7 @@ class PrefixStateCache:
             return None, 0
         if entry.snapshot is None:
             self.metrics.disk_reads += 1
-            return self.disk.read(entry.file), length  # (a fresh host copy)
+            return self.disk.read_later(entry.file), length  # (a fresh host copy)
         snapshot = entry.snapshot
         snapshot.wait()
         return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),

@@ -545,6 +545,39 @@ def test_init_state_is_used_namespaced_and_survives_unload_mid_request(parts):
         engine.stop()
 
 
+def test_init_state_cache_is_keyed_by_the_states_values(parts):
+    """Prefixes cached from an init state are found from any state of the same values (another id
+    and name, as after a restart), not from one of other values; unloading one of two equal states
+    keeps them, unloading the last drops them."""
+    tok = parts[1]
+    persona = _state_after(parts, tok.encode("# This module implements a small HTTP server.\n"))
+    other = _state_after(parts, tok.encode("# Tests for the parser.\n"))
+    prompt = tok.encode(PROMPTS[1])
+    engine = make_engine(parts)
+    try:
+        engine.load_init_state(InitState(id="a", name="first", state=persona))
+        first = run(collect(engine, Request(prompt, GREEDY, init_state="first")))
+        assert first.started.cached_tokens == 0
+        settle(engine)
+        copy = RNNState(*(t.clone() for t in persona.tensors()))
+        engine.load_init_state(InitState(id="b", name="second", state=copy))
+        engine.load_init_state(InitState(id="c", name="third", state=other))
+        second = run(collect(engine, Request(prompt, GREEDY, init_state="second")))
+        assert second.started.cached_tokens >= len(prompt) - 1 and second.tokens == first.tokens
+        assert run(collect(engine, Request(prompt, GREEDY, init_state="third"))).started.cached_tokens == 0
+        settle(engine)
+        engine.unload_init_state("a")
+        again = run(collect(engine, Request(prompt, GREEDY, init_state="second")))
+        assert again.started.cached_tokens >= len(prompt) - 1 and again.tokens == first.tokens
+        settle(engine)
+        engine.unload_init_state("b")
+        engine.load_init_state(InitState(id="d", name="fourth", state=copy))
+        assert run(collect(engine, Request(prompt, GREEDY, init_state="fourth"))).started.cached_tokens == 0
+        settle(engine)
+    finally:
+        engine.stop()
+
+
 def test_default_init_state_applies_when_none_is_named(parts):
     tok = parts[1]
     persona = tok.encode("def helper():\n")
@@ -638,6 +671,56 @@ def test_states_go_to_disk_and_come_back_after_a_restart(parts, alone, tmp_path)
         assert later.started.cached_tokens >= warm.started.cached_tokens  # (the prompt itself was saved)
         assert again.snapshot_stats()["cache"]["disk_reads"] == 1
         settle(again)
+    finally:
+        again.stop()
+
+
+def test_a_state_in_the_disk_tier_is_exported_from_its_file(parts, tmp_path):
+    """A move's export of a prefix whose state is a file reads the file (off the engine's thread)
+    and leaves it; a file gone meanwhile exports nothing."""
+    model, tok = parts
+    snapshot_bytes = model.config.state_bytes() + 4 * model.config.vocab_size
+    engine = make_engine(parts, max_slots=1, device_cache_bytes=snapshot_bytes, host_cache_bytes=0,
+                         disk_cache_bytes=100 * snapshot_bytes, disk_cache_dir=tmp_path)
+    try:
+        for prompt in PROMPTS[:4]:
+            run(collect(engine, Request(tok.encode(prompt), SamplingParams(max_tokens=2, temperature=0.0))))
+        before = settle(engine)["cache"]
+        prompt = tok.encode(PROMPTS[0])
+        snapshot, n = engine.export_prefix("", prompt)
+        assert n >= 8 and snapshot is not None
+        assert torch.allclose(snapshot.state.wkv, _state_after(parts, prompt[:n]).wkv, rtol=1e-4, atol=1e-5)
+        after = settle(engine)["cache"]
+        assert after["disk_reads"] == before["disk_reads"] + 1 and after["disk_entries"] == before["disk_entries"]
+        for file in tmp_path.rglob("*.safetensors"):
+            file.unlink()
+        assert engine.export_prefix("", prompt) == (None, 0)
+    finally:
+        engine.stop()
+
+
+def test_init_state_prefixes_come_back_after_a_restart(parts, tmp_path):
+    """A prefix cached from an init state is saved at stop, and the next engine on the directory
+    finds it once a state of the same values is loaded, whatever its id."""
+    model, tok = parts
+    snapshot_bytes = model.config.state_bytes() + 4 * model.config.vocab_size
+    tiers = {"max_slots": 1, "disk_cache_bytes": 100 * snapshot_bytes, "disk_cache_dir": tmp_path}
+    persona = _state_after(parts, tok.encode("# This module implements a small HTTP server.\n"))
+    prompt = tok.encode(PROMPTS[2])
+    engine = make_engine(parts, **tiers)
+    try:
+        engine.load_init_state(InitState(id="st-1", name="http", state=persona))
+        first = run(collect(engine, Request(prompt, GREEDY, init_state="http")))
+        settle(engine)
+    finally:
+        engine.stop()
+    again = make_engine(parts, **tiers)
+    try:
+        assert run(collect(again, Request(prompt, GREEDY))).started.cached_tokens == 0  # (another namespace)
+        again.load_init_state(InitState(id="st-9", name="web", state=persona))
+        later = run(collect(again, Request(prompt, GREEDY, init_state="web")))
+        assert later.started.cached_tokens >= len(prompt) - 1 and later.tokens == first.tokens
+        assert settle(again)["cache"]["disk_reads"] == 1
     finally:
         again.stop()
 

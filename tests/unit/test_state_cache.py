@@ -162,7 +162,8 @@ def test_host_evictions_go_to_disk_and_a_hit_reads_them_back(tmp_path):
     found, n = cache.match("", [1, 1, 7])
     assert n == 2 and torch.equal(found.state.wkv, snap(1).state.wkv) and torch.equal(found.logits, snap(1).logits)
     assert m.disk_reads == 1 and prefix_key("", [1, 1]) + ".safetensors" not in files_in(tmp_path)
-    exported, n = cache.export("", [2, 2])  # an export reads the file and leaves it
+    exported, n = cache.export("", [2, 2])  # an export reads the file (on the reading thread) and leaves it
+    exported = exported.result()
     cache.disk.flush()  # ([4, 4], sent down by the hit, is written on the writer's thread)
     assert n == 2 and exported.logits[0].item() == 2 and len(files_in(tmp_path)) == 3
     read = threading.Event()
