@@ -22,7 +22,8 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
     and top-p through the sampler's torch lines; and the steady state a server lives in (as many
     requests always in flight, each replaced by a new prompt as it ends, their lengths spread so
     that they end at different steps), prompt tokens/s and the time to first token beside, with
-    a prefill call every step and with prompts waiting up to 4 steps to share one; and the sampler alone,
+    a prefill call every step, with prompts waiting up to 4 steps to share one, and in JSON mode;
+    and the sampler alone,
     its one-launch kernel next to its torch lines;
   * a prefix's state moved between engines (export, pickle, import, first token) against
     prefilling it: what `state_move_min_tokens` weighs on a GPU.
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -575,27 +577,30 @@ def bench_engine(runner, results: dict) -> None:
             engine.stop()
             del engine
         # serving's steady state: as many requests always in flight, each replaced as it ends; with
-        # a prefill call every step (the default), and with new prompts waiting up to 4 steps to
-        # share one. Timed after 5 s of the same load: a prefill shape runs without a graph on its
-        # first two sights (about 15 ms of launches a call at 1.5B)
+        # a prefill call every step (the default), with new prompts waiting up to 4 steps to share
+        # one, and in JSON mode (a row that closes its object ends, and a new one takes its place).
+        # Timed after 5 s of the same load: a prefill shape runs without a graph on its first two
+        # sights (about 15 ms of launches a call at 1.5B)
         steady, params = {}, SamplingParams(temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
-        for every in (1, 4):
+        for key, every, json_mode in (("steady", 1, False), ("steady_every_4", 4, False), ("steady_json", 1, True)):
             engine = fresh_engine(config.model_copy(update={"prefill_every": every}))
-            steady[every] = asyncio.run(steady_rate(engine, concurrency, 64, params, seconds=3.0, warm_seconds=5.0))
-            stats[f"steady, prefill_every {every}"] = engine.snapshot_stats()["counters"]
+            steady[key] = asyncio.run(steady_rate(engine, concurrency, 64, replace(params, json_object=json_mode),
+                                                  seconds=3.0, warm_seconds=5.0))
+            stats[key] = engine.snapshot_stats()["counters"]
             engine.stop()
             del engine
         raw = time_decode(runner, concurrency, seconds=0.3)
         results["engine"][f"{concurrency}"] = {"engine": rates["top-p 0.9"], "engine_greedy": rates["greedy"],
                                                "engine_torch_sampler": rates["top-p 0.9, torch sampler"],
                                                "engine_json": rates["top-p 0.9, JSON mode"],
-                                               "steady": steady[1], "steady_every_4": steady[4],
+                                               **steady,
                                                "raw_decode": raw, "counters": stats}
         say(f"engine: {concurrency} concurrent requests × 128 tokens (64-token prompts): "
             f"{rates['top-p 0.9']:,.0f} generated tokens/s with top-p 0.9, {rates['greedy']:,.0f} greedy, "
             f"{rates['top-p 0.9, torch sampler']:,.0f} top-p through the torch sampler, "
             f"{rates['top-p 0.9, JSON mode']:,.0f} in JSON mode; steady, {concurrency} "
-            f"always in flight: {_steady(steady[1])} (prompts waiting up to 4 steps: {_steady(steady[4])}); "
+            f"always in flight: {_steady(steady['steady'])} (prompts waiting up to 4 steps: "
+            f"{_steady(steady['steady_every_4'])}; JSON mode: {_steady(steady['steady_json'])}); "
             f"runner alone {raw:,.0f}")
     for prefix in (512, 4096):
         time_state_move(fresh_engine, EngineConfig(max_slots=8, max_prefill_tokens=4096, token_chunk_size=512),
@@ -794,20 +799,23 @@ def table(results: dict, models: list[str]) -> str:
                   "64-token prompts, 128 new tokens each. Steady: as many always in flight, each replaced as it "
                   "ends, prompts of 32-96 tokens, 32-224 new tokens (generated tokens/s + prompt tokens/s, the "
                   "time to first token's median / 90th percentile), with a prefill call every step (the engine's "
-                  "default) and with new prompts waiting up to 4 steps to share one (`prefill_every` 4):",
+                  "default), with new prompts waiting up to 4 steps to share one (`prefill_every` 4), and in JSON "
+                  "mode (`json_object`: a row ends where its object closes, and a new request takes its place):",
                   "", "| requests | burst, top-p 0.9 | burst, greedy | burst, top-p, the torch sampler | "
-                  "burst, top-p, JSON mode | steady, top-p 0.9 | steady, prefill_every 4 | runner decode tokens/s | "
-                  "burst top-p / greedy / steady, of the runner |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "burst, top-p, JSON mode | steady, top-p 0.9 | steady, prefill_every 4 | steady, JSON mode | "
+                  "runner decode tokens/s | burst top-p / greedy / steady, of the runner |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for concurrency, e in results["engine"].items():
             raw = e["raw_decode"]
             json_cell = "—"
             if "engine_json" in e:  # (its rows end where their objects close: tokens a request beside it)
                 made = e["counters"]["top-p 0.9, JSON mode"]["generated_tokens"] / (2 * int(concurrency))
                 json_cell = f"{e['engine_json']:,.0f} ({made:.0f} tokens a request)"
+            steady_json = _steady(e["steady_json"]) if "steady_json" in e else "—"
             lines.append(f"| {concurrency} | {e['engine']:,.0f} | {e['engine_greedy']:,.0f} | "
                          f"{e['engine_torch_sampler']:,.0f} | {json_cell} | {_steady(e['steady'])} | "
-                         f"{_steady(e['steady_every_4'])} | {raw:,.0f} | {e['engine'] / raw:.0%} / "
+                         f"{_steady(e['steady_every_4'])} | {steady_json} | "
+                         f"{raw:,.0f} | {e['engine'] / raw:.0%} / "
                          f"{e['engine_greedy'] / raw:.0%} / {e['steady']['generated'] / raw:.0%} |")
     if results.get("state_move"):
         lines += ["", f"A prefix's state moved to another engine against prefilled ({results['engine_model']}; ms, "
