@@ -299,9 +299,13 @@ class Replica:
     async def _load(self, entry: dict) -> None:
         try:
             data = await entry["ref"]
-            state = state_from_bytes(data, self.model_config)
-            init = InitState(entry["id"], entry["name"], state, entry["default"], str(entry["version"]))
-            await asyncio.to_thread(self.engine.load_init_state, init)
+
+            def load() -> None:  # (off the event loop: reading and hashing a 7.2B state takes tens of ms)
+                state = state_from_bytes(data, self.model_config)
+                init = InitState(entry["id"], entry["name"], state, entry["default"], str(entry["version"]))
+                self.engine.load_init_state(init)
+
+            await asyncio.to_thread(load)
         except Exception:
             self.load_errors += 1
             log.exception("replica %s could not load init state %s", self.replica_id, entry["name"])
