@@ -353,8 +353,13 @@ class SchemaMachine:
         if types is None:
             if "properties" in schema:
                 types = "object"
-            elif "items" in schema:
+            elif "items" in schema or "prefixItems" in schema:
                 types = "array"
+            elif any(key in schema for key in ("pattern", "format", "minLength", "maxLength")):
+                types = "string"
+            elif any(key in schema for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                               "multipleOf")):
+                types = "number"
             else:
                 return self._add((ANY,))
         if isinstance(types, list):
@@ -479,21 +484,22 @@ def _bounds(schema: dict, where: str, integer: bool) -> Bounds | None:
     step = SCALE if integer else 1
     if "multipleOf" in schema:
         of = schema["multipleOf"]
-        scaled = Fraction(str(of)) * SCALE if isinstance(of, int | float) and not isinstance(of, bool) else None
+        finite = isinstance(of, int | float) and not isinstance(of, bool) and math.isfinite(of)
+        scaled = Fraction(str(of)) * SCALE if finite else None
         if scaled is None or scaled <= 0 or scaled.denominator != 1:
             raise SchemaError(f"{where}.multipleOf: a positive number of at most {jg.MAX_DIGITS[jg.N_FRAC]} decimals")
         step = math.lcm(step, int(scaled))
     ends: list[int | None] = []
     for inclusive, exclusive, lower in (("minimum", "exclusiveMinimum", True), ("maximum", "exclusiveMaximum", False)):
-        value, strict = schema.get(inclusive), schema.get(exclusive)
+        value, strict, strict_key = schema.get(inclusive), schema.get(exclusive), exclusive
         if isinstance(strict, bool):  # draft 4: exclusiveMinimum true qualifies minimum
-            strict, value = (value if strict else None), (None if strict else value)
+            strict, value, strict_key = (value if strict else None), (None if strict else value), inclusive
         end = None
-        for bound, excl in ((value, False), (strict, True)):
+        for bound, excl, key in ((value, False, inclusive), (strict, True, strict_key)):
             if bound is None:
                 continue
-            if isinstance(bound, bool) or not isinstance(bound, int | float):
-                raise SchemaError(f"{where}.{inclusive}: a number")
+            if isinstance(bound, bool) or not isinstance(bound, int | float) or not math.isfinite(bound):
+                raise SchemaError(f"{where}.{key}: a finite number")
             scaled = Fraction(str(bound)) * SCALE
             on_grid = math.ceil(scaled) if lower else math.floor(scaled)
             if excl and on_grid == scaled:

@@ -213,7 +213,15 @@ def test_members_of_any_name_and_tuples(text, ok):
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1.2, "maximum": 1.8}}},
      "schema.properties.a: no integer of at most 16 digits meets its bounds"),
     ({"type": "object", "properties": {"a": {"type": "number", "maximum": "9"}}},
-     "schema.properties.a.maximum: a number"),
+     "schema.properties.a.maximum: a finite number"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1e308, "maximum": float("inf")}}},
+     "schema.properties.a.maximum: a finite number"),  # (Python's json reads and writes Infinity)
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": float("nan")}}},
+     "schema.properties.a.exclusiveMinimum: a finite number"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": float("inf")}}},
+     "schema.properties.a.multipleOf"),
+    ({"type": "object", "properties": {"a": {"pattern": "(("}}}, "schema.properties.a.pattern"),  # (a string's)
+    ({"type": "object", "properties": {"a": {"minimum": 5, "maximum": 2}}}, "schema.properties.a: no number"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0}}}, "schema.properties.a.multipleOf"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": ["x"]}}},
      "schema.properties.a.pattern: a string"),
@@ -267,6 +275,24 @@ STRINGS = {"type": "object", "required": ["short", "code", "day"], "properties":
 ])
 def test_string_lengths_patterns_and_formats(text, ok):
     assert accepts(text, SchemaMachine(json.dumps(STRINGS))) == ok
+
+
+UNTYPED = {"type": "object", "properties": {
+    "code": {"pattern": "^[A-Z]{2}$"}, "n": {"minimum": 1, "maximum": 9}, "xs": {"prefixItems": [{}]},
+    "any": {"description": "no keyword that names a type"}}}
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b'{"code": "AB", "n": 3, "xs": [1], "any": [null]}', True),
+    (b'{"code": "AB", "n": 2.5, "xs": [], "any": "x"}', True),
+    (b'{"code": "ab"}', False),  # a string's keyword: a string that matches
+    (b'{"code": 12}', False),
+    (b'{"n": 10}', False),  # a number's: a number within the bounds
+    (b'{"n": "3"}', False),
+    (b'{"xs": {}}', False),  # an array's
+])
+def test_a_schema_without_type_takes_it_from_its_keywords(text, ok):
+    assert accepts(text, SchemaMachine(json.dumps(UNTYPED))) == ok
 
 
 def test_constrained_strings_against_the_reference():
