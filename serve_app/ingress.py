@@ -6,9 +6,9 @@ the weights), SSE framing, and the mapping of errors to statuses. Generation goe
 deployment through `streams.ChoiceStreams`; init states and metrics go through the registry.
 Never touches model state or a GPU.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize,
-GET /v1/models[/{id}], GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the
-OpenAPI schema is at /openapi.json and /docs.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /tokenize,
+POST /detokenize, GET /v1/models[/{id}], GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics,
+GET /health; the OpenAPI schema is at /openapi.json and /docs.
 """
 
 
@@ -34,7 +34,7 @@ from replicas.model.loader import default_model_dir
 from replicas.sampling import InvalidRequest, SamplingParams
 from replicas.tokenizer import load_tokenizer
 
-from . import chat, registry
+from . import chat, registry, responses_api
 from .config import AppConfig
 from .metrics import CONTENT_TYPE, prometheus_text, stats_view
 from .protocol import (
@@ -55,6 +55,7 @@ from .protocol import (
     sampling_params,
 )
 from .responses import ChatFormat, CompletionFormat, collect, stream_events, usage_of
+from .responses_api import ResponseRequest
 from .states import StateCatalog
 from .streams import ChoiceStreams
 
@@ -158,6 +159,11 @@ async def sse(events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def _event_stream(text: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(text, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 # -- the deployment ---------------------------------------------------------------------------
 # `serve.ingress` pickles the FastAPI app as it decorates the class: whatever the routes use must
 # be defined above this point. And no `from __future__ import annotations` in this module: FastAPI
@@ -196,6 +202,24 @@ class Ingress:
 
     @api.post("/v1/chat/completions", summary="Create a chat completion")
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        fmt, requests, prompt_of = await self._chat(body)
+        return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
+
+    @api.post("/v1/responses", summary="Create a model response (the Responses API, stateless: run as a chat "
+              "completion; previous_response_id is not served)")
+    async def responses(self, body: ResponseRequest) -> Response:
+        chat_body = responses_api.chat_request(body, self.config.default_max_tokens)
+        fmt, requests, prompt_of = await self._chat(chat_body)
+        shell = responses_api.Shell(body, self.model_name)
+        choices = await ChoiceStreams.open(self.replica, requests)  # raises before any byte is sent
+        if body.stream:
+            chunks = stream_events(fmt, aiter(choices), prompt_of, include_usage=True)
+            return _event_stream(responses_api.sse(responses_api.response_events(shell, chunks)))
+        outcomes = await collect(aiter(choices), len(requests))
+        return JSONResponse(responses_api.response_body(shell, fmt.body(outcomes, usage_of(outcomes, prompt_of))))
+
+    async def _chat(self, body: ChatCompletionRequest) -> tuple[ChatFormat, list[EngineRequest], list[int]]:
+        """A chat request's engine requests (each choice's prompt beside) and its output's format."""
         self._check_model(body.model)
         body.refuse_unsupported()
         prompt = await self._encode(chat.render_request(body, self.config.chat))
@@ -207,15 +231,13 @@ class Ingress:
         requests, prompt_of = self._requests([prompt], body.n, params, body.init_state)
         fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,
                          or_text=body.tool_auto)
-        return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
+        return fmt, requests, prompt_of
 
     async def _respond(self, fmt: CompletionFormat | ChatFormat, requests: list[EngineRequest],
                        prompt_of: list[int], stream: bool, include_usage: bool) -> Response:
         choices = await ChoiceStreams.open(self.replica, requests)  # raises before any byte is sent
         if stream:
-            events = stream_events(fmt, aiter(choices), prompt_of, include_usage)
-            return StreamingResponse(sse(events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _event_stream(sse(stream_events(fmt, aiter(choices), prompt_of, include_usage)))
         outcomes = await collect(aiter(choices), len(requests))
         return JSONResponse(fmt.body(outcomes, usage_of(outcomes, prompt_of)).model_dump(mode="json"))
 

@@ -111,3 +111,80 @@ def test_a_required_tool_call(oai):
     streamed = final.choices[0].message.tool_calls
     assert [(c.id.startswith("call_"), c.function.name, c.function.arguments) for c in streamed] == [
         (True, c.function.name, c.function.arguments) for c in completion.choices[0].message.tool_calls]
+
+
+# -- the Responses API (run as a chat completion) ------------------------------------------------
+
+
+def test_responses_write_what_the_chat_writes_whole_and_streamed(oai):
+    """A response's text, usage and status are the same request's as a chat completion; its
+    stream's events are in the order the SDK reads them, numbered, and add up to it."""
+    turns = [{"role": "user", "content": "Say something."}]
+    for tokens in (8, 400):  # cut by max_output_tokens, and (mostly) ended by the model
+        response = oai.responses.create(model=MODEL_NAME, input=turns, instructions="Be brief.",
+                                        max_output_tokens=tokens, temperature=0)
+        chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "system", "content": "Be brief."},
+                                                                       *turns], max_tokens=tokens, temperature=0)
+        choice = chat.choices[0]
+        assert response.output_text == choice.message.content and response.output[0].type == "message"
+        assert response.usage.output_tokens == chat.usage.completion_tokens
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+        assert response.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+        assert (response.incomplete_details is not None) == (choice.finish_reason == "length")
+        events = list(oai.responses.create(model=MODEL_NAME, input=turns, instructions="Be brief.",
+                                           max_output_tokens=tokens, temperature=0, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              f"response.{response.status}"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        final = events[-1].response
+        assert text == final.output_text == response.output_text
+        assert final.usage.output_tokens == response.usage.output_tokens and final.id == events[0].response.id
+
+
+def test_responses_tool_calls_and_their_results(oai):
+    import json
+
+    switch = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "name": "set_light", "parameters": switch}]
+    ask = {"model": MODEL_NAME, "input": "Light on.", "tools": tools, "tool_choice": "required",
+           "parallel_tool_calls": False, "max_output_tokens": 600, "temperature": 0}
+    response = oai.responses.create(**ask)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "set_light" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["on"] in (True, False)
+    with oai.responses.stream(**ask) as stream:  # the SDK's helper puts the call together from its events
+        kinds = {event.type for event in stream}
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    assert [(c.type, c.name, c.arguments) for c in final.output] == [("function_call", "set_light", call.arguments)]
+    # the call and its result go back as input items
+    answer = oai.responses.create(model=MODEL_NAME, tools=tools, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Light on."},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
+    assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens > response.usage.input_tokens
+
+
+def test_responses_parse_into_a_model_and_refuse_what_they_do_not_serve(oai):
+    from pydantic import BaseModel
+
+    class Flag(BaseModel):
+        ok: bool
+
+    parsed = oai.responses.parse(model=MODEL_NAME, input="ok?", text_format=Flag, max_output_tokens=200,
+                                extra_body={"seed": 4})
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Flag)
+    for bad, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                        "input"),
+                       ({"tools": [{"type": "web_search"}]}, "tools"),
+                       ({"input": []}, "input"),
+                       ({"max_output_tokens": 0}, "max_output_tokens")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.responses.create(model=MODEL_NAME, **{"input": "x", **bad})
+        assert err.value.body["param"] == param, err.value.body

@@ -173,3 +173,43 @@ def test_request_fields_map_to_sampling_params():
 def test_leading_space_of_a_reply_is_dropped_once():
     lead = LeadingSpace()
     assert [lead.strip(t) for t in [" ", "  Hello", " world"]] == ["", "Hello", " world"]
+
+
+def test_a_response_stream_ends_with_an_error_event_when_its_choice_fails_and_its_item_is_closed():
+    """Responses API events from a chat stream: text opens a message item; a call after it closes
+    it; a failing choice ends the stream with an `error` event (whatever was open stays open, as
+    OpenAI's does); an empty reply is one empty message."""
+    from serve_app.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta, FunctionDelta, ToolCallDelta
+    from serve_app.responses_api import ResponseRequest, Shell, response_events
+
+    def chunk(content=None, calls=None, finish=None):
+        delta = ChatDelta(content=content, tool_calls=calls)
+        return ChatCompletionChunk(id="c", created=0, model="m",
+                                   choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish)])
+
+    async def events(*chunks):
+        async def source():
+            for c in chunks:
+                yield c
+        return [e async for e in response_events(Shell(ResponseRequest(input="x"), "m"), source())]
+
+    call = ToolCallDelta(index=0, id="call_1", type="function", function=FunctionDelta(name="f", arguments='{"a"'))
+    more = ToolCallDelta(index=0, function=FunctionDelta(arguments=": 1}"))
+    out = asyncio.run(events(chunk("Hi"), chunk(calls=[call]), chunk(calls=[more], finish="stop")))
+    kinds = [e["type"] for e in out]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert out[2]["item"]["content"] == [] and out[2]["item"]["status"] == "in_progress"  # (as it was when added)
+    final = out[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["arguments"] == '{"a": 1}' and final["output"][0]["content"][0]["text"] == "Hi"
+    failed = asyncio.run(events(chunk("Hi"), ApiError(503, "the replica stopped", code="unavailable").body()))
+    assert failed[-1]["type"] == "error" and failed[-1]["code"] == "unavailable"
+    assert "response.completed" not in [e["type"] for e in failed]
+    empty = asyncio.run(events(chunk(finish="length")))
+    assert empty[-1]["type"] == "response.incomplete"
+    assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
+    assert empty[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
