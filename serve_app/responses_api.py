@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from replicas.json_schema import schema_error
+
 from .protocol import ApiError, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Usage
 
 # -- the request ------------------------------------------------------------------------------
@@ -95,13 +97,17 @@ def chat_request(req: ResponseRequest, max_tokens: int) -> ChatCompletionRequest
     body: dict[str, Any] = {
         "messages": _messages(req), "stream": req.stream,
         "max_tokens": req.max_output_tokens if req.max_output_tokens is not None else max_tokens,
-        **req.model_dump(include={"temperature", "top_p", "parallel_tool_calls", "user", "init_state", "top_k",
-                                  "min_p", "seed"}, exclude_none=True),
+        **req.model_dump(include={"model", "temperature", "top_p", "parallel_tool_calls", "user", "init_state",
+                                  "top_k", "min_p", "seed"}, exclude_none=True),
     }
     fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text" and req.tools and req.tool_choice != "none":
+        raise ApiError(400, "text.format and a tool call cannot be asked together", param="text.format")
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
             raise ApiError(400, "text.format.schema is required with type json_schema", param="text.format.schema")
+        if error := schema_error(json.dumps(fmt.schema_)):
+            raise ApiError(400, f"text.format.{error}", param="text.format.schema")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
     elif fmt is not None:
         body["response_format"] = {"type": fmt.type}

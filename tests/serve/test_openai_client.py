@@ -184,7 +184,13 @@ def test_responses_parse_into_a_model_and_refuse_what_they_do_not_serve(oai):
                         "input"),
                        ({"tools": [{"type": "web_search"}]}, "tools"),
                        ({"input": []}, "input"),
-                       ({"max_output_tokens": 0}, "max_output_tokens")]:
+                       ({"max_output_tokens": 0}, "max_output_tokens"),
+                       ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "string"}}}},
+                        "text.format.schema"),
+                       ({"text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f"}]},
+                        "text.format")]:
         with pytest.raises(openai.BadRequestError) as err:
             oai.responses.create(model=MODEL_NAME, **{"input": "x", **bad})
         assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="gpt-5", input="x")
