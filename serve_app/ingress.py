@@ -6,9 +6,10 @@ the weights), SSE framing, and the mapping of errors to statuses. Generation goe
 deployment through `streams.ChoiceStreams`; init states and metrics go through the registry.
 Never touches model state or a GPU.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /tokenize,
-POST /detokenize, GET /v1/models[/{id}], GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics,
-GET /health; the OpenAPI schema is at /openapi.json and /docs.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET|DELETE /v1/responses/{id}, POST /tokenize, POST /detokenize, GET /v1/models[/{id}],
+GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
+/openapi.json and /docs.
 """
 
 
@@ -205,18 +206,46 @@ class Ingress:
         fmt, requests, prompt_of = await self._chat(body)
         return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
 
-    @api.post("/v1/responses", summary="Create a model response (the Responses API, stateless: run as a chat "
-              "completion; previous_response_id is not served)")
+    @api.post("/v1/responses", summary="Create a model response (the Responses API, run as a chat completion)")
     async def responses(self, body: ResponseRequest) -> Response:
-        chat_body = responses_api.chat_request(body, self.config.default_max_tokens)
+        earlier = []
+        if body.previous_response_id is not None:
+            earlier = await self.registry.conversation.remote(body.previous_response_id)
+            if earlier is None:
+                raise ApiError(404, f"no stored response {body.previous_response_id!r} (or one it continues): "
+                               "responses with store false are not kept, and the oldest go when the store is full",
+                               param="previous_response_id", code="response_not_found")
+        turn = responses_api.turn_messages(body)
+        chat_body = responses_api.chat_request(body, self.config.default_max_tokens, earlier + turn)
         fmt, requests, prompt_of = await self._chat(chat_body)
         shell = responses_api.Shell(body, self.model_name)
+
+        async def keep(response: dict) -> None:
+            if body.store is not False:
+                messages = turn + responses_api.output_messages(response)
+                await self.registry.put_response.remote(response, body.previous_response_id, messages)
+
         choices = await ChoiceStreams.open(self.replica, requests)  # raises before any byte is sent
         if body.stream:
             chunks = stream_events(fmt, aiter(choices), prompt_of, include_usage=True)
-            return _event_stream(responses_api.sse(responses_api.response_events(shell, chunks)))
+            return _event_stream(responses_api.sse(responses_api.response_events(shell, chunks, keep)))
         outcomes = await collect(aiter(choices), len(requests))
-        return JSONResponse(responses_api.response_body(shell, fmt.body(outcomes, usage_of(outcomes, prompt_of))))
+        response = responses_api.response_body(shell, fmt.body(outcomes, usage_of(outcomes, prompt_of)))
+        await keep(response)
+        return JSONResponse(response)
+
+    @api.get("/v1/responses/{response_id}", summary="Retrieve a stored response")
+    async def get_response(self, response_id: str) -> JSONResponse:
+        response = await self.registry.get_response.remote(response_id)
+        if response is None:
+            raise ApiError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+        return JSONResponse(response)
+
+    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response")
+    async def delete_response(self, response_id: str) -> JSONResponse:
+        if not await self.registry.delete_response.remote(response_id):
+            raise ApiError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def _chat(self, body: ChatCompletionRequest) -> tuple[ChatFormat, list[EngineRequest], list[int]]:
         """A chat request's engine requests (each choice's prompt beside) and its output's format."""

@@ -4,10 +4,12 @@ Owns the init-state catalog (id -> name, default flag, version, the safetensors 
 object store, owned by this actor so they outlive whoever uploaded them), the catalog's version,
 the latest metrics each replica pushed (with the catalog version it has applied), and a log of
 the prompt prefixes the routers routed (router.py), through which each ingress replica's router
-learns the others'. Never on the path of a request (but a router's first, which waits for its
-first trade): the ingress reads it for /v1/states and /metrics, replicas push to it every few
-seconds and long-poll it for catalog changes, routers trade their new routings with it every
-50 ms.
+learns the others', and the stored responses of the Responses API (each its turn's messages and
+the response it continues, the oldest dropped past STORED_RESPONSE_BYTES). Never on the path of a
+request (but a router's first, which waits for its first trade, and a response that is stored or
+continues a stored one): the ingress reads it for /v1/states and /metrics, replicas push to it
+every few seconds and long-poll it for catalog changes, routers trade their new routings with it
+every 50 ms.
 
 It is detached and named after the application, so it outlives replica and ingress restarts and
 a redeploy of the same application; `rwkv-fleet serve` removes it when it stops. If the actor
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import ray
@@ -30,6 +33,7 @@ STALE_INTERVALS = 3  # a replica silent for this many push intervals (plus a gra
 STALE_GRACE_S = 2.0
 ROUTING_LOG = 1 << 20  # (prefix key, replica) entries the routing log keeps, newest last
 ROUTING_REPLY = 1 << 16  # entries at most in one answer (a router that starts late gets the newest)
+STORED_RESPONSE_BYTES = 256 << 20  # the stored responses' JSON, at most; the oldest go first
 
 
 def registry_name(app_name: str) -> str:
@@ -80,7 +84,7 @@ class _Report:
 
 @ray.remote
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, response_bytes: int = STORED_RESPONSE_BYTES) -> None:
         # Versions start at the clock in ms: a restarted registry never repeats one replicas saw.
         self._version = int(time.time() * 1000)
         self._entries: dict[str, _Entry] = {}
@@ -88,6 +92,9 @@ class Registry:
         self._changed = asyncio.Condition()  # notified when the catalog or an ack changes
         self._routed: deque[tuple[str, int, str]] = deque(maxlen=ROUTING_LOG)  # (router, prefix key, replica)
         self._routed_end = 0  # entries ever logged: the position after the newest
+        # response id -> (the response it continues, its turn's messages, the response object, bytes)
+        self._responses: OrderedDict[str, tuple[str | None, list[dict], dict, int]] = OrderedDict()
+        self._response_bytes, self._response_budget = 0, response_bytes
 
     # -- the init-state catalog ------------------------------------------------------------
 
@@ -180,6 +187,40 @@ class Registry:
         news = [(key, replica) for source, key, replica in itertools.islice(self._routed, start - first, None)
                 if source != router]
         return self._routed_end, news
+
+    # -- stored responses ------------------------------------------------------------------
+
+    async def put_response(self, response: dict, previous: str | None, messages: list[dict]) -> None:
+        """Stores a response: the object, the response it continues, and its turn's chat messages
+        (its input's, then its output's)."""
+        size = len(json.dumps(response)) + len(json.dumps(messages))
+        self._responses[response["id"]] = (previous, messages, response, size)
+        self._response_bytes += size
+        while self._response_bytes > self._response_budget and len(self._responses) > 1:
+            *_, dropped = self._responses.popitem(last=False)[1]
+            self._response_bytes -= dropped
+
+    async def get_response(self, response_id: str) -> dict | None:
+        stored = self._responses.get(response_id)
+        return stored[2] if stored else None
+
+    async def conversation(self, response_id: str) -> list[dict] | None:
+        """The chat messages of every turn up to and including this response's, oldest first;
+        None if it, or a response it continues, is not stored (any more)."""
+        turns = []
+        while response_id is not None:
+            stored = self._responses.get(response_id)
+            if stored is None:
+                return None
+            response_id, messages = stored[0], stored[1]
+            turns.append(messages)
+        return [m for messages in reversed(turns) for m in messages]
+
+    async def delete_response(self, response_id: str) -> bool:
+        stored = self._responses.pop(response_id, None)
+        if stored is not None:
+            self._response_bytes -= stored[3]
+        return stored is not None
 
     # -- inside ----------------------------------------------------------------------------
 

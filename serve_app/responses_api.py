@@ -5,8 +5,10 @@ message, function_call and function_call_output items) the messages, `text.forma
 response_format, function tools the chat's tools. A chat's outcome is written back as a
 `response` object (message and function_call output items, usage with cached input tokens), or
 streamed as the typed events the OpenAI SDKs read (`response.created` ... `response.completed`).
-Stateless: responses are not stored, so `previous_response_id` is refused (send the conversation
-in `input`). Never touches Ray, tokens or the model.
+A stored response (`store`, the default) keeps its turn's messages (its input's and its
+output's) in the registry, so that a request naming it as `previous_response_id` continues that
+conversation (its earlier instructions are not carried over, as in OpenAI's). Never touches Ray,
+tokens or the model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -79,8 +81,9 @@ class ResponseRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
-    previous_response_id: str | None = None
-    store: bool | None = Field(None, description="accepted; responses are never stored")
+    previous_response_id: str | None = Field(None, description="a stored response this one continues")
+    store: bool | None = Field(None, description="keep the response, so that a later one may continue it "
+                               "(default true; kept in memory, the oldest dropped first)")
     metadata: dict[str, str] | None = None
     user: str | None = None
     init_state: str | None = Field(None, description="extension: id or name of a loaded init state to start from")
@@ -89,13 +92,13 @@ class ResponseRequest(BaseModel):
     seed: int | None = Field(None, description="extension, as in chat completions")
 
 
-def chat_request(req: ResponseRequest, max_tokens: int) -> ChatCompletionRequest:
-    """The chat request that runs a Responses request (max_tokens: the default where it sets none)."""
-    if req.previous_response_id is not None:
-        raise ApiError(400, "responses are not stored here: send the earlier turns in input instead of "
-                       "previous_response_id", param="previous_response_id")
+def chat_request(req: ResponseRequest, max_tokens: int, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that runs a Responses request: its instructions, then `conversation` (the
+    earlier turns' messages, then this one's: `turn_messages`); max_tokens: the default where it
+    sets none."""
+    instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
-        "messages": _messages(req), "stream": req.stream,
+        "messages": instructions + conversation, "stream": req.stream,
         "max_tokens": req.max_output_tokens if req.max_output_tokens is not None else max_tokens,
         **req.model_dump(include={"model", "temperature", "top_p", "parallel_tool_calls", "user", "init_state",
                                   "top_k", "min_p", "seed"}, exclude_none=True),
@@ -129,8 +132,9 @@ def chat_request(req: ResponseRequest, max_tokens: int) -> ChatCompletionRequest
     return chat
 
 
-def _messages(req: ResponseRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+def turn_messages(req: ResponseRequest) -> list[dict[str, Any]]:
+    """A request's input as chat messages."""
+    messages: list[dict[str, Any]] = []
     items = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     if not items:
         raise ApiError(400, "input must not be empty", param="input")
@@ -145,11 +149,7 @@ def _messages(req: ResponseRequest) -> list[dict[str, Any]]:
                 raise ApiError(400, f"{where}: a function_call has call_id, name and arguments", param="input")
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # (calls of one turn, or the text before them)
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _add_call(messages, call)
         elif item.type == "function_call_output":
             if not item.call_id or item.output is None:
                 raise ApiError(400, f"{where}: a function_call_output has call_id and output", param="input")
@@ -158,6 +158,27 @@ def _messages(req: ResponseRequest) -> list[dict[str, Any]]:
             raise ApiError(400, f"{where}.type: message, function_call or function_call_output; "
                            f"{item.type!r} is not served", param="input")
     return messages
+
+
+def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages a later turn sees."""
+    messages: list[dict[str, Any]] = []
+    for item in response["output"]:
+        if item["type"] == "message":
+            messages.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
+        else:
+            _add_call(messages, {"id": item["call_id"], "type": "function",
+                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return messages
+
+
+def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
+    """A function call as part of the assistant's turn: with the text or calls before it, if any."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
 def _text(content: str | list[InputPart] | None, where: str) -> str:
@@ -180,14 +201,16 @@ class Shell:
         fmt = req.text.format if req.text and req.text.format else None
         self.fields = {
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
                             else req.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "metadata": req.metadata or {}, "store": False, "truncation": "disabled", "user": req.user,
+            "metadata": req.metadata or {}, "store": req.store is not False, "truncation": "disabled",
+            "user": req.user,
         }
 
     def response(self, status: str, output: list[dict], usage: Usage | None = None) -> dict[str, Any]:
@@ -232,9 +255,11 @@ def response_body(shell: Shell, chat: ChatCompletion) -> dict[str, Any]:
     return shell.response(_status(choice.finish_reason), output, chat.usage)
 
 
-async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict]) -> AsyncIterator[dict[str, Any]]:
+async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict],
+                          keep: Callable[[dict], Awaitable[None]] | None = None) -> AsyncIterator[dict[str, Any]]:
     """A chat completion's stream (one choice, its usage chunk last) as a response's events; a
-    failing choice ends it with an `error` event."""
+    failing choice ends it with an `error` event. `keep` is given the whole response before its
+    last event goes (so that a client that has it finds the response stored)."""
     seq = iter(range(1 << 62))
     output: list[dict] = []  # the items so far; the last may be open
     usage, finish = None, None
@@ -304,7 +329,10 @@ async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict])
     for e in close():
         yield e
     status = _status(finish)
-    yield event(f"response.{status}", response=shell.response(status, output, usage))
+    response = shell.response(status, output, usage)
+    if keep is not None:
+        await keep(response)
+    yield event(f"response.{status}", response=response)
 
 
 async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

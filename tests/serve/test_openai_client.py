@@ -179,8 +179,7 @@ def test_responses_parse_into_a_model_and_refuse_what_they_do_not_serve(oai):
     parsed = oai.responses.parse(model=MODEL_NAME, input="ok?", text_format=Flag, max_output_tokens=200,
                                 extra_body={"seed": 4})
     assert parsed.status == "completed" and isinstance(parsed.output_parsed, Flag)
-    for bad, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
-                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    for bad, param in [({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                         "input"),
                        ({"tools": [{"type": "web_search"}]}, "tools"),
                        ({"input": []}, "input"),
@@ -194,3 +193,30 @@ def test_responses_parse_into_a_model_and_refuse_what_they_do_not_serve(oai):
         assert err.value.body["param"] == param, err.value.body
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="gpt-5", input="x")
+
+
+def test_stored_responses_continue_their_conversation_and_can_be_read_and_deleted(oai):
+    """previous_response_id continues a stored response's conversation: the same text as sending
+    the turns in input (its instructions not carried over); a streamed response is stored too;
+    store false keeps none; a deleted response cannot be continued, nor can the ones after it."""
+    ask = {"model": MODEL_NAME, "max_output_tokens": 8, "temperature": 0}
+    first = oai.responses.create(input="Say something.", instructions="Be brief.", **ask)
+    second = oai.responses.create(input="And more.", previous_response_id=first.id, **ask)
+    assert second.previous_response_id == first.id and first.store
+    alone = oai.responses.create(store=False, **ask, input=[
+        {"role": "user", "content": "Say something."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And more."}])
+    assert second.output_text == alone.output_text and second.usage.input_tokens == alone.usage.input_tokens
+    assert oai.responses.retrieve(first.id).output_text == first.output_text
+    streamed = list(oai.responses.create(input="Again.", previous_response_id=second.id, stream=True, **ask))
+    third = streamed[-1].response
+    assert oai.responses.retrieve(third.id).output_text == third.output_text
+    for gone in (alone.id, "resp_nothing"):
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.retrieve(gone)
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.create(input="More.", previous_response_id=third.id, **ask)
+    assert err.value.body["param"] == "previous_response_id"

@@ -161,6 +161,28 @@ def test_the_registry_passes_each_router_the_others_routings(served):
         registry.remove("routing-log-test")
 
 
+def test_the_registry_keeps_responses_within_its_budget_and_gives_conversations_in_order():
+    from serve_app import registry
+
+    store = registry.Registry.remote(response_bytes=600)
+    turn = [{"role": "user", "content": "x" * 50}]
+
+    def put(n: int, previous: str | None) -> None:
+        ray.get(store.put_response.remote({"id": f"r{n}", "output": []}, previous, [*turn, {"n": n}]))
+
+    put(1, None)
+    put(2, "r1")
+    put(3, "r2")
+    assert [m["n"] for m in ray.get(store.conversation.remote("r3")) if "n" in m] == [1, 2, 3]
+    assert ray.get(store.get_response.remote("r2")) == {"id": "r2", "output": []}
+    for n in range(4, 10):  # about 120 bytes each: the oldest go
+        put(n, None)
+    assert ray.get(store.get_response.remote("r1")) is None and ray.get(store.conversation.remote("r3")) is None
+    assert ray.get(store.conversation.remote("r9")) is not None
+    assert ray.get(store.delete_response.remote("r9")) and not ray.get(store.delete_response.remote("r9"))
+    ray.kill(store)
+
+
 def test_a_router_shares_once_the_registry_it_could_not_reach_at_first_answers(served, monkeypatch):
     """The router's sharing task outlives a failed connection to the registry (Ray's control store
     unreachable when the router starts): it retries with the next trade, and the other routers'
