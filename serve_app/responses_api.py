@@ -23,8 +23,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from replicas.json_schema import schema_error
+from replicas.sampling import MAX_LOGPROBS
 
-from .protocol import ApiError, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Usage
+from .protocol import (
+    ApiError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Usage,
+)
 
 # -- the request ------------------------------------------------------------------------------
 
@@ -90,6 +99,13 @@ class ResponseRequest(BaseModel):
     top_k: int | None = Field(None, description="extension, as in chat completions")
     min_p: float | None = Field(None, description="extension, as in chat completions")
     seed: int | None = Field(None, description="extension, as in chat completions")
+    include: list[str] | None = Field(None, description='"message.output_text.logprobs": each output token\'s '
+                                      "log-probability (other values are accepted and ignored)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed a token")
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
 
 def chat_request(req: ResponseRequest, max_tokens: int, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -103,6 +119,8 @@ def chat_request(req: ResponseRequest, max_tokens: int, conversation: list[dict[
         **req.model_dump(include={"model", "temperature", "top_p", "parallel_tool_calls", "user", "init_state",
                                   "top_k", "min_p", "seed"}, exclude_none=True),
     }
+    if req.logprobs:
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type != "text" and req.tools and req.tool_choice != "none":
         raise ApiError(400, "text.format and a tool call cannot be asked together", param="text.format")
@@ -227,13 +245,17 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.total_tokens}
 
 
-def _message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [_text_part(text, logprobs)] if status == "completed" else []}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(choice: ChatChoice | ChatChunkChoice) -> list[dict]:
+    return [entry.model_dump() for entry in choice.logprobs.content or ()] if choice.logprobs else []
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -251,7 +273,7 @@ def response_body(shell: Shell, chat: ChatCompletion) -> dict[str, Any]:
     calls = choice.message.tool_calls or []
     output = [_call_item(c.id, c.function.name, c.function.arguments) for c in calls]
     if not calls:
-        output.append(_message_item(choice.message.content or ""))
+        output.append(_message_item(choice.message.content or "", logprobs=_logprobs(choice)))
     return shell.response(_status(choice.finish_reason), output, chat.usage)
 
 
@@ -263,6 +285,7 @@ async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict],
     seq = iter(range(1 << 62))
     output: list[dict] = []  # the items so far; the last may be open
     usage, finish = None, None
+    logprobs: list[dict] = []  # of tokens whose text has not been sent (a reply's leading whitespace)
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "sequence_number": next(seq), **fields}
@@ -275,8 +298,10 @@ async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict],
         item["status"] = "completed"
         if item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += logprobs
+            logprobs.clear()
             return [event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                          text=part["text"], logprobs=[]),
+                          text=part["text"], logprobs=part["logprobs"]),
                     event("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                           part=part),
                     event("response.output_item.done", output_index=at, item=item)]
@@ -305,14 +330,17 @@ async def response_events(shell: Shell, chunks: AsyncIterator[BaseModel | dict],
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
             delta = choice.delta
+            logprobs += _logprobs(choice)
             if delta.content:
                 if not output or output[-1]["type"] != "message" or output[-1]["status"] == "completed":
                     for e in open_(_message_item("", status="in_progress")):
                         yield e
                 item = output[-1]
                 item["content"][0]["text"] += delta.content
+                item["content"][0]["logprobs"] += logprobs
                 yield event("response.output_text.delta", item_id=item["id"], output_index=len(output) - 1,
-                            content_index=0, delta=delta.content, logprobs=[])
+                            content_index=0, delta=delta.content, logprobs=logprobs[:])
+                logprobs.clear()
             for call in delta.tool_calls or ():
                 if call.id is not None:  # a new call: its name comes with it
                     for e in open_(_call_item(call.id, call.function.name, "", status="in_progress")):

@@ -220,3 +220,20 @@ def test_stored_responses_continue_their_conversation_and_can_be_read_and_delete
     with pytest.raises(openai.NotFoundError) as err:
         oai.responses.create(input="More.", previous_response_id=third.id, **ask)
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_responses_give_log_probabilities_as_the_chat_does(oai):
+    ask = {"model": MODEL_NAME, "input": "Say something.", "max_output_tokens": 6, "temperature": 0,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = oai.responses.create(**ask)
+    chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Say something."}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    ours = response.output[0].content[0].logprobs
+    theirs = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in ours] == [
+        (t.token, t.logprob, len(t.top_logprobs)) for t in theirs] and len(ours) == 6
+    events = list(oai.responses.create(stream=True, **ask))
+    streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [t.token for t in done.logprobs] == [t.token for t in ours]
+    assert streamed == [t.token for t in ours]  # (a leading whitespace's with the first text)
