@@ -221,9 +221,13 @@ class Ingress:
         shell = responses_api.Shell(body, self.model_name)
 
         async def keep(response: dict) -> None:
-            if body.store is not False:
-                messages = turn + responses_api.output_messages(response)
+            if body.store is False:
+                return
+            messages = turn + responses_api.output_messages(response)
+            try:
                 await self.registry.put_response.remote(response, body.previous_response_id, messages)
+            except Exception:  # the reply stands; only a later turn that names it will miss it
+                log.warning("could not store response %s", response["id"], exc_info=True)
 
         choices = await ChoiceStreams.open(self.replica, requests)  # raises before any byte is sent
         if body.stream:
