@@ -27,7 +27,9 @@ shared yet): then the request is prefilled there as it would be anywhere.
 Wherever a request with a recorded prefix goes, it carries the holder and the prefix's length
 (the `holder` argument of Replica.generate): a replica other than the holder takes the prefix's
 state from it (Replica.export_state, a call this router sends to the replica it names) when that
-saves prefilling `state_move_min_tokens` or more (replicas/deployment.py).
+saves prefilling `state_move_min_tokens` or more (replicas/deployment.py). A holder whose queue is
+full (slots and waiting requests: Serve's `max_ongoing_requests`) is not named: it would answer
+only when one of its requests ended.
 """
 
 from __future__ import annotations
@@ -89,12 +91,15 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
         best, length = self._holder(candidate_replicas, prefix_keys(_request(pending_request), self._block))
         if best is None:
             return [two_at_random(candidate_replicas)]
-        # wherever the request lands, that replica can take the prefix's state from its holder
-        pending_request.kwargs["holder"] = (best.replica_id.unique_id, length)
         if self._replica_queue_len_cache.get(best.replica_id) is None:
             # not heard of lately (Ray Serve forgets a queue length after 10 s): asked, not taken as 0,
             # which would send the request to wait behind a full batch
             await self._probe_queue_lens([best], 0)
+        if self._queue(best) < best.max_ongoing_requests:
+            # wherever the request lands, that replica can take the prefix's state from its holder (not
+            # from a full one, slots and waiting queue: Serve would hold the question until a request
+            # of its ended, and the request would wait STATE_MOVE_TIMEOUT_S before being prefilled)
+            pending_request.kwargs["holder"] = (best.replica_id.unique_id, length)
         if self._may_wait_on(best, candidate_replicas):
             return [[best], two_at_random(candidate_replicas)]  # (the second rank if the holder turns out full)
         # the others first: with the holder among two at random, a probe of the other that timed
