@@ -392,9 +392,12 @@ def token_text(tokenizer: Tokenizer, token_id: int, logprob: float) -> TokenText
 
 def _failure(end: Finished) -> ReplicaError:
     """A request that failed in the engine: 503 if the engine's process ended under it (retry
-    elsewhere), else 500."""
+    elsewhere); as a refusal if the engine's process refused it (an init state unloaded since the
+    replica checked, JSON mode on a tokenizer that cannot write it); else 500."""
     if end.error == ENGINE_ENDED:
         return _refusal(EngineUnavailable())
+    if end.refused is not None:
+        return _refusal(end.refused)
     return ReplicaError(500, end.error or "generation failed")
 
 

@@ -145,6 +145,7 @@ class Finished:
     reason: str  # "stop" | "length" | "cancelled" | "error"
     usage: Usage
     error: str | None = None
+    refused: Exception | None = None  # "error" as `submit` raises it (a request an engine process refused)
 
 
 Event = Started | Delta | Finished

@@ -433,7 +433,8 @@ def main(fd: int) -> None:
             try:
                 engine.enqueue(request, _Remote(uid, outlet))
             except Exception as err:  # checked in the replica's process; an init state gone since
-                outlet.send([(_Remote(uid, outlet), Finished("error", Usage(len(request.prompt), 0, 0), str(err)))])
+                end = Finished("error", Usage(len(request.prompt), 0, 0), str(err), refused=err)
+                outlet.send([(_Remote(uid, outlet), end)])
         elif kind == "cancel":
             engine.cancel(message[1])
         elif kind == "call":  # on a thread: a call waits for the engine thread to turn

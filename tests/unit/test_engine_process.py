@@ -127,6 +127,17 @@ def test_init_states_load_and_unload_across(engine, demo_model_dir):
     assert engine.init_states == {}
     with pytest.raises(UnknownInitState):
         asyncio.run(run(engine, Request(prompt, greedy, init_state="persona")))
+    # a state the replica's side still lists, gone in the engine's process: refused there, and the
+    # request ends with that refusal (the replica answers it as submit's: 404), not as a failure
+    engine.init_states = {"id-1": InitState("id-1", "persona", None, digest="x")}
+    try:
+        _, finished = asyncio.run(run(engine, Request(prompt, greedy, init_state="persona")))
+    finally:
+        engine.init_states = {}
+    assert finished.reason == "error" and isinstance(finished.refused, UnknownInitState)
+    from replicas.deployment import _failure
+
+    assert _failure(finished).status == 404
     engine.check_integrity()
 
 
