@@ -50,7 +50,7 @@ class InputItem(BaseModel):
     call_id: str | None = Field(None, description="a function call's id, and its output's")
     name: str | None = None
     arguments: str | None = Field(None, description="a function call's arguments as JSON text")
-    output: str | None = Field(None, description="a function call's result")
+    output: str | list[InputPart] | None = Field(None, description="a function call's result (text, or text parts)")
 
 
 class TextFormat(BaseModel):
@@ -171,7 +171,7 @@ def turn_messages(req: ResponseRequest) -> list[dict[str, Any]]:
         elif item.type == "function_call_output":
             if not item.call_id or item.output is None:
                 raise ApiError(400, f"{where}: a function_call_output has call_id and output", param="input")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
         else:
             raise ApiError(400, f"{where}.type: message, function_call or function_call_output; "
                            f"{item.type!r} is not served", param="input")

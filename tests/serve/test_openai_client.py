@@ -166,7 +166,7 @@ def test_responses_tool_calls_and_their_results(oai):
     answer = oai.responses.create(model=MODEL_NAME, tools=tools, max_output_tokens=4, temperature=0, input=[
         {"role": "user", "content": "Light on."},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "done"}])
+        {"type": "function_call_output", "call_id": call.call_id, "output": [{"type": "input_text", "text": "done"}]}])
     assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens > response.usage.input_tokens
 
 
