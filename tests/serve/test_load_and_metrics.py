@@ -96,14 +96,19 @@ def test_overload_gets_503_and_loses_nothing(client, base_url):
     wait_for(lambda: idle(client), what="every slot freed after the flood")
 
 
-def test_a_client_that_disconnects_frees_its_slot(client, base_url):
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "go on forever", "max_tokens": 100000, "ignore_eos": True, "stream": True}),
+    # (greedy, this model's reply runs 2,826 tokens before the chat's blank line: seconds here, where
+    # the client leaves as soon as the reply's slot is seen busy)
+    ("/v1/responses", {"input": "Keep going", "max_output_tokens": 100000, "temperature": 0, "stream": True}),
+])
+def test_a_client_that_disconnects_frees_its_slot(client, base_url, path, body):
     wait_for(lambda: idle(client), what="idle replicas")
     cancelled_before = stats(client)["total"]["counters"].get("finished_cancelled", 0)
-    body = {"prompt": "go on forever", "max_tokens": 100000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=base_url, timeout=60) as other:
-        with other.stream("POST", "/v1/completions", json=body) as response:
+        with other.stream("POST", path, json=body) as response:
             lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+            assert next(lines).startswith(("data: ", "event: "))
             wait_for(lambda: stats(client)["total"]["slots"]["busy"] == 1, what="the stream's slot in use")
         # leaving the block closes the connection mid-stream
     wait_for(lambda: idle(client), timeout=20, what="the slot freed after the disconnect")
