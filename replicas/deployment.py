@@ -84,6 +84,7 @@ class ReplicaConfig(BaseModel):
     # a request whose prompt's longest prefix is held by another replica takes that prefix's state
     # from there when it would prefill at least this many tokens more here; None: never
     state_move_min_tokens: int | None = 256
+    shutdown_timeout_s: float = 30.0  # how long the engine's process has to end (and save its cache) when stopped
 
 
 # -- what crosses the process boundary --------------------------------------------------------
@@ -250,7 +251,7 @@ class Replica:
             self.registry.forget.remote(self.replica_id)
             self.registry = None
         if hasattr(self, "engine"):
-            self.engine.stop()
+            self.engine.stop(self.config.shutdown_timeout_s)
 
     # -- requests --------------------------------------------------------------------------
 

@@ -200,13 +200,14 @@ class EngineProcess:
     def check_integrity(self) -> None:
         self._call("check_integrity")
 
-    def stop(self) -> None:
-        """Ends the engine (its rows are cancelled) and its process."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the engine (its rows are cancelled; a disk tier's directory gets the cache's
+        states) and its process, which is killed if that takes longer than `timeout` seconds."""
         self._stopping = True
         if self._process.poll() is None:
             try:
                 self._send(("stop",))
-                self._process.wait(30)
+                self._process.wait(timeout)
             except (EngineUnavailable, subprocess.TimeoutExpired):
                 self._process.kill()
                 self._process.wait()

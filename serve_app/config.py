@@ -119,6 +119,9 @@ class AppConfig(BaseModel):
     stream: StreamSettings = StreamSettings()
     metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas push their metrics")
     state_sync_timeout_s: float = Field(30.0, gt=0, description="how long POST /v1/states waits for every replica")
+    shutdown_timeout_s: float = Field(
+        30.0, gt=0, description="how long a stopping model replica has to end (its requests are cancelled; with "
+        "engine.disk_cache_dir its cached states are written there, the newest first) before it is killed")
 
     model_config = {"extra": "forbid"}  # a misspelt knob in a config file is an error, not a silent default
 
@@ -144,6 +147,7 @@ class AppConfig(BaseModel):
             stream_delay_s=self.stream.max_delay_ms / 1000, stream_tokens=self.stream.max_tokens,
             stream_chunks_per_s=self.stream.max_chunks_per_s,
             metrics_interval_s=self.metrics_interval_s, state_move_min_tokens=self.state_move_min_tokens,
+            shutdown_timeout_s=self.shutdown_timeout_s,
         )
 
     def replica_options(self, num_gpus: float) -> dict[str, Any]:
@@ -154,7 +158,7 @@ class AppConfig(BaseModel):
             "max_ongoing_requests": self.max_ongoing_requests(),
             "max_queued_requests": self.max_queued_requests,
             "health_check_period_s": 5.0,
-            "graceful_shutdown_timeout_s": 30.0,
+            "graceful_shutdown_timeout_s": self.shutdown_timeout_s,
         }
         if self.state_affinity:
             options["request_router_config"] = {  # (serve_app/router.py)

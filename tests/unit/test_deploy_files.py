@@ -48,9 +48,10 @@ def test_rwkv_fleet_serve_reads_serve_config_args():
 
 
 def test_deployment_options_follow_the_config():
-    config = AppConfig(engine={"max_slots": 6, "max_waiting": 10}, replicas=3)
+    config = AppConfig(engine={"max_slots": 6, "max_waiting": 10}, replicas=3, shutdown_timeout_s=120)
     options = config.replica_options(num_gpus=1)
     assert options["ray_actor_options"]["num_gpus"] == 1
+    assert options["graceful_shutdown_timeout_s"] == config.replica_config(num_gpus=1).shutdown_timeout_s == 120
     assert options["max_ongoing_requests"] == 16 and options["num_replicas"] == 3
     scaled = AppConfig(autoscaling={"min_replicas": 1, "max_replicas": 5}).replica_options(num_gpus=0)
     assert "num_replicas" not in scaled and scaled["autoscaling_config"]["max_replicas"] == 5

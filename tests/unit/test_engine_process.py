@@ -232,3 +232,16 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_a_stop_gives_the_engine_its_time_then_kills_it(demo_model_dir, tmp_path):
+    """Within its time the engine ends as it should (here: its cached state saved to the disk
+    tier's directory); with none, its process is killed."""
+    config = CONFIG.model_copy(update={"disk_cache_bytes": 1 << 30, "disk_cache_dir": tmp_path})
+    engine, _, _ = EngineProcess.open(demo_model_dir, "cpu", config)
+    asyncio.run(run(engine, Request(list(range(1, 70)), SamplingParams(max_tokens=2))))
+    engine.stop(60)
+    assert engine._process.returncode == 0 and list(tmp_path.rglob("*.safetensors"))
+    again, _, _ = EngineProcess.open(demo_model_dir, "cpu", config)
+    again.stop(0)
+    assert again._process.returncode == -signal.SIGKILL
