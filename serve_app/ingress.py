@@ -398,10 +398,15 @@ class Ingress:
 
     @api.get("/v1/stats", summary="Engine and cache figures per replica and in total (JSON)")
     async def stats(self) -> dict:
-        replicas, (version, _) = await asyncio.gather(self.registry.replicas.remote(), self.registry.states.remote())
-        return stats_view(replicas, version)
+        return stats_view(*await self._figures())
 
     @api.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics(self) -> Response:
-        replicas, (version, _) = await asyncio.gather(self.registry.replicas.remote(), self.registry.states.remote())
-        return Response(prometheus_text(replicas, version), media_type=CONTENT_TYPE)
+        return Response(prometheus_text(*await self._figures()), media_type=CONTENT_TYPE)
+
+    async def _figures(self) -> tuple[dict, int, dict]:
+        """The replicas' pushed stats, the init-state catalog's version, the response store's size."""
+        registry = self.registry
+        replicas, (version, _), responses = await asyncio.gather(
+            registry.replicas.remote(), registry.states.remote(), registry.response_store.remote())
+        return replicas, version, responses

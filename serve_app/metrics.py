@@ -46,13 +46,14 @@ _HELP = {
 _GAUGE_SUFFIXES = ("_bytes", "_entries")
 
 
-def stats_view(replicas: dict[str, dict], catalog_version: int) -> dict:
-    """The JSON of /v1/stats: each live replica's stats and their sum."""
+def stats_view(replicas: dict[str, dict], catalog_version: int, responses: dict[str, int] | None = None) -> dict:
+    """The JSON of /v1/stats: each live replica's stats and their sum, and the Responses API's
+    store (the registry's response_store)."""
     per_replica = {name: {**r["stats"], "acked_version": r["acked_version"], "age_s": r["age_s"]}
                    for name, r in sorted(replicas.items())}
     total = sum_stats(r["stats"] for r in replicas.values())
     return {"object": "stats", "catalog_version": catalog_version, "replica_count": len(replicas),
-            "replicas": per_replica, "total": total}
+            "replicas": per_replica, "total": total, "stored_responses": responses or {}}
 
 
 def sum_stats(stats: Iterable[dict]) -> dict:
@@ -71,7 +72,7 @@ def _add(total: dict, one: dict) -> None:
             total[key] = total.get(key, 0) + value
 
 
-def prometheus_text(replicas: dict[str, dict], catalog_version: int) -> str:
+def prometheus_text(replicas: dict[str, dict], catalog_version: int, responses: dict[str, int] | None = None) -> str:
     lines = [
         "# HELP rwkv_replicas live model replicas (pushed metrics recently)",
         "# TYPE rwkv_replicas gauge",
@@ -80,6 +81,9 @@ def prometheus_text(replicas: dict[str, dict], catalog_version: int) -> str:
         "# TYPE rwkv_init_state_catalog_version gauge",
         f"rwkv_init_state_catalog_version {catalog_version}",
     ]
+    for key, value in (responses or {}).items():  # the Responses API's store, in the registry
+        lines += [f"# HELP rwkv_stored_responses_{key} stored responses: {key.replace('_', ' ')}",
+                  f"# TYPE rwkv_stored_responses_{key} gauge", f"rwkv_stored_responses_{key} {value}"]
     flat = {name: _flatten(r["stats"]) for name, r in sorted(replicas.items())}
     totals = _flatten(sum_stats(r["stats"] for r in replicas.values()))
     keys = sorted(set(totals).union(*flat.values())) if flat else []

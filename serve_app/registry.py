@@ -216,6 +216,10 @@ class Registry:
             turns.append(messages)
         return [m for messages in reversed(turns) for m in messages]
 
+    async def response_store(self) -> dict[str, int]:
+        """The stored responses: how many, their bytes, and the budget."""
+        return {"stored": len(self._responses), "bytes": self._response_bytes, "budget_bytes": self._response_budget}
+
     async def delete_response(self, response_id: str) -> bool:
         stored = self._responses.pop(response_id, None)
         if stored is not None:

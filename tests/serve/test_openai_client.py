@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -195,7 +196,7 @@ def test_responses_parse_into_a_model_and_refuse_what_they_do_not_serve(oai):
         oai.responses.create(model="gpt-5", input="x")
 
 
-def test_stored_responses_continue_their_conversation_and_can_be_read_and_deleted(oai):
+def test_stored_responses_continue_their_conversation_and_can_be_read_and_deleted(oai, base_url):
     """previous_response_id continues a stored response's conversation: the same text as sending
     the turns in input (its instructions not carried over); a streamed response is stored too;
     store false keeps none; a deleted response cannot be continued, nor can the ones after it."""
@@ -214,9 +215,12 @@ def test_stored_responses_continue_their_conversation_and_can_be_read_and_delete
     for gone in (alone.id, "resp_nothing"):
         with pytest.raises(openai.NotFoundError):
             oai.responses.retrieve(gone)
+    store = httpx.get(f"{base_url}/v1/stats").json()["stored_responses"]
+    assert store["stored"] >= 3 and 0 < store["bytes"] <= store["budget_bytes"]
     oai.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve(first.id)
+    assert httpx.get(f"{base_url}/v1/stats").json()["stored_responses"]["stored"] == store["stored"] - 1
     with pytest.raises(openai.NotFoundError) as err:
         oai.responses.create(input="More.", previous_response_id=third.id, **ask)
     assert err.value.body["param"] == "previous_response_id"

@@ -141,14 +141,16 @@ def test_metrics_text_has_each_replica_and_the_totals():
         "b": {"stats": {"slots": {"capacity": 4, "busy": 0}, "counters": {"generated_tokens": 5},
                         "cache": {"hits": 1, "device_bytes": 50}}, "acked_version": 5, "age_s": 0.2},
     }
-    text = prometheus_text(pushed, 5)
+    text = prometheus_text(pushed, 5, {"stored": 3, "bytes": 900, "budget_bytes": 1000})
     assert 'rwkv_replica_generated_tokens_total{replica="a"} 10' in text
+    assert "rwkv_stored_responses_stored 3" in text and "rwkv_stored_responses_bytes 900" in text
     assert "rwkv_generated_tokens_total 15" in text and "rwkv_slots_busy 1" in text
     assert "# TYPE rwkv_cache_device_bytes gauge" in text and "# TYPE rwkv_cache_hits_total counter" in text
     for line in text.splitlines():  # every sample line is `name{labels} number`
         assert line.startswith("#") or re.fullmatch(r'[a-z_]+(\{replica="[^"]+"\})? -?[0-9.e+]+', line), line
-    view = stats_view(pushed, 5)
+    view = stats_view(pushed, 5, {"stored": 3})
     assert view["total"]["cache"]["hits"] == 3 and view["replicas"]["a"]["acked_version"] == 5
+    assert view["stored_responses"] == {"stored": 3}
     assert sum_stats([{"x": 1, "l": [1]}, {"x": 2}]) == {"x": 3}
 
 
