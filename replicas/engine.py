@@ -794,13 +794,17 @@ class Engine:
         """A namespace no loaded init state has any more: its cached and idle copies go (rows
         already running keep their copied state). One that a loaded state still has (the same
         values) stays."""
-        if any(s.namespace == namespace for s in self.init_states.values()):
+        if self._loaded(namespace):
             return
         self.cache.drop_namespace(namespace)
         for slot in self.slots.slots:
             if slot.phase is Phase.IDLE and slot.namespace == namespace:
                 self._idle_logits.pop(slot.index, None)
         self.slots.forget(namespace)
+
+    def _loaded(self, namespace: str) -> bool:
+        """Whether a loaded init state has this cache namespace (its values)."""
+        return any(s.namespace == namespace for s in self.init_states.values())
 
     def _export(self, namespace: str, prompt: Sequence[int]) -> tuple[Snapshot | concurrent.futures.Future | None, int]:
         snapshot, length = self.cache.export(namespace, prompt)
@@ -809,7 +813,7 @@ class Engine:
         return snapshot, length
 
     def _import(self, namespace: str, tokens: tuple[int, ...], snapshot: Snapshot) -> bool:
-        known = namespace == ZERO_NAMESPACE or any(s.namespace == namespace for s in self.init_states.values())
+        known = namespace == ZERO_NAMESPACE or self._loaded(namespace)
         if not known or not self.cache.insert(namespace, tokens, snapshot):
             return False
         self.stats["states_moved_in"] += 1

@@ -579,13 +579,12 @@ class PrefixStateCache:
         False, changing nothing, when the tier cannot take it."""
         if not self._takes_file(entry):
             return False
-        size = file_bytes(entry.snapshot, entry.tokens)
         file = self.disk.write(prefix_key(entry.namespace, entry.tokens), entry.namespace, entry.tokens,
                                entry.snapshot, block=block)
         if file is None:
             self.metrics.disk_drops += 1
             return False
-        self._drop_oldest_files(size)
+        self._drop_oldest_files(file.nbytes)
         self.metrics.disk_writes += 1
         self._unaccount(entry)
         entry.file, entry.tier = file, DISK

@@ -16,9 +16,8 @@ GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAP
 import asyncio
 import json
 import logging
-import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -54,6 +53,7 @@ from .protocol import (
     Tokenized,
     TokenizeRequest,
     sampling_params,
+    validation_error,
 )
 from .responses import ChatFormat, CompletionFormat, collect, stream_events, usage_of
 from .responses_api import ResponseRequest
@@ -81,7 +81,7 @@ async def _api_error(_: Request, err: ApiError) -> JSONResponse:
 
 @api.exception_handler(RequestValidationError)
 async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-    error = _validation_error(err.errors())
+    error = validation_error(err.errors())
     if error.param is None and not request.headers.get("content-type", "").startswith("application/json"):
         error.message += " (send it with Content-Type: application/json)"  # curl -d sends a form's type
     return await _api_error(request, error)
@@ -96,30 +96,6 @@ async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
 async def _internal(_: Request, err: Exception) -> JSONResponse:
     log.exception("unexpected error in the ingress")
     return await _api_error(_, ApiError(500, "internal server error", code="internal_error"))
-
-
-_UNION_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]")  # pydantic's names of our unions' members
-
-
-def _validation_error(errors: Sequence[dict]) -> ApiError:
-    """The first of pydantic's errors as a 400. For a field of several accepted types (`prompt`,
-    `stop`, a message's `content`), where pydantic reports each type's failure, it names the types."""
-    locs = [[str(p) for p in e.get("loc", ()) if p not in ("body", "query")] for e in errors]
-    first, loc = (errors[0], locs[0]) if errors else ({}, [])
-    tag = next((i for i, p in enumerate(loc) if _UNION_TAG.fullmatch(p)), None)
-    if tag is not None:
-        types = dict.fromkeys(other[tag] for other in locs if len(other) > tag and other[:tag] == loc[:tag])
-        param = ".".join(loc[:tag])
-        *others, last = types
-        return ApiError(400, f"{param} must be {', '.join(others)} or {last}" if others else
-                        f"{param} must be {last}", param=param)
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message, param = "the request body is not valid JSON", None
-    elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
-        message = "the request body must be a JSON object"
-    return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
 _STATE_UPLOAD_DOC = {
@@ -149,7 +125,7 @@ def _parse(model: type[BaseModel], data: bytes) -> BaseModel:
     try:
         return model.model_validate_json(data)
     except ValidationError as err:
-        raise _validation_error(err.errors()) from None
+        raise validation_error(err.errors()) from None
 
 
 async def sse(events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:

@@ -13,6 +13,8 @@ and chat's `response_format` on completions too.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
@@ -56,6 +58,30 @@ class ApiError(Exception):
 def busy(retry_after: float | None = 1.0) -> ApiError:
     return ApiError(503, "the server is busy: too many requests; try again shortly", code="overloaded",
                     retry_after=retry_after or 1.0)
+
+
+_UNION_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]")  # pydantic's names of our unions' members
+
+
+def validation_error(errors: Sequence[dict]) -> ApiError:
+    """The first of pydantic's errors as a 400. For a field of several accepted types (`prompt`,
+    `stop`, a message's `content`), where pydantic reports each type's failure, it names the types."""
+    locs = [[str(p) for p in e.get("loc", ()) if p not in ("body", "query")] for e in errors]
+    first, loc = (errors[0], locs[0]) if errors else ({}, [])
+    tag = next((i for i, p in enumerate(loc) if _UNION_TAG.fullmatch(p)), None)
+    if tag is not None:
+        types = dict.fromkeys(other[tag] for other in locs if len(other) > tag and other[:tag] == loc[:tag])
+        param = ".".join(loc[:tag])
+        *others, last = types
+        return ApiError(400, f"{param} must be {', '.join(others)} or {last}" if others else
+                        f"{param} must be {last}", param=param)
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the request body must be a JSON object"
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -197,8 +197,8 @@ class Registry:
         self._responses[response["id"]] = (previous, messages, response, size)
         self._response_bytes += size
         while self._response_bytes > self._response_budget and len(self._responses) > 1:
-            *_, dropped = self._responses.popitem(last=False)[1]
-            self._response_bytes -= dropped
+            _, oldest = self._responses.popitem(last=False)
+            self._response_bytes -= oldest[3]
 
     async def get_response(self, response_id: str) -> dict | None:
         stored = self._responses.get(response_id)

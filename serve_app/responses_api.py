@@ -33,6 +33,7 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Usage,
+    validation_error,
 )
 
 # -- the request ------------------------------------------------------------------------------
@@ -143,11 +144,9 @@ def chat_request(req: ResponseRequest, max_tokens: int, conversation: list[dict[
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     try:
-        chat = ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    return chat
+        raise validation_error(err.errors()) from None
 
 
 def turn_messages(req: ResponseRequest) -> list[dict[str, Any]]:
@@ -161,7 +160,7 @@ def turn_messages(req: ResponseRequest) -> list[dict[str, Any]]:
         if item.type == "message":
             if item.role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role: user, assistant, system or developer", param="input")
-            messages.append({"role": item.role, "content": _text(item.content, where)})
+            messages.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
         elif item.type == "function_call":
             if not (item.call_id and item.name and item.arguments is not None):
                 raise ApiError(400, f"{where}: a function_call has call_id, name and arguments", param="input")
@@ -171,7 +170,8 @@ def turn_messages(req: ResponseRequest) -> list[dict[str, Any]]:
         elif item.type == "function_call_output":
             if not item.call_id or item.output is None:
                 raise ApiError(400, f"{where}: a function_call_output has call_id and output", param="input")
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, where)})
+            output = _text(item.output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
             raise ApiError(400, f"{where}.type: message, function_call or function_call_output; "
                            f"{item.type!r} is not served", param="input")
@@ -203,7 +203,7 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if any(part.type not in ("input_text", "output_text", "text") for part in content):
-        raise ApiError(400, f"{where}.content: only text parts are served (input_text, output_text)", param="input")
+        raise ApiError(400, f"{where}: only text parts are served (input_text, output_text)", param="input")
     return "".join(part.text or "" for part in content)
 
 
