@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--replicas", type=int, help="number of model replicas")
     serve.add_argument("--config", help="a YAML/JSON app config file; flags override it")
+    serve.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                       help="a key requests must bear as Authorization: Bearer KEY (repeatable; added to the config's "
+                            "api_keys; RWKV_FLEET_API_KEY in the environment is one too)")
     serve.set_defaults(run=cmd_serve)
     return parser
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from replicas.deployment import ReplicaConfig
 from replicas.engine import EngineConfig
@@ -107,6 +107,9 @@ class AppConfig(BaseModel):
         64, ge=1, description="requests in flight per ingress replica to aim for (when ingress_replicas is None)")
     ingress_max_ongoing_requests: int = Field(1024, ge=1, description="HTTP requests in flight per ingress replica")
 
+    api_keys: list[SecretStr] = Field(
+        [], description="keys a request must bear as `Authorization: Bearer KEY` (besides RWKV_FLEET_API_KEY in the "
+        "ingress's environment); none: the API is open. /health, /metrics and the schema are open either way")
     host: str = Field("127.0.0.1", description="HTTP host (rwkv-fleet serve; serve deploy uses http_options)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (rwkv-fleet serve; see host)")
 
@@ -130,6 +133,13 @@ class AppConfig(BaseModel):
         if self.init_states and self.states_dir is None:
             raise ValueError("init_states: name files of states_dir, which is not set")
         return self
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_words(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        if any(not k.get_secret_value() or k.get_secret_value().split() != [k.get_secret_value()] for k in keys):
+            raise ValueError("an API key is empty or holds whitespace")
+        return keys
 
     @field_validator("model", "states_dir")
     @classmethod
@@ -205,10 +215,14 @@ class AppConfig(BaseModel):
         return max(1, -(-replicas * self.engine.max_slots // self.ingress_streams))
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> AppConfig:
-    """A config from a file (or defaults), with the given non-None fields replacing the file's."""
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None,
+                api_keys: list[str] | None = None) -> AppConfig:
+    """A config from a file (or defaults), with the given non-None fields replacing the file's, and
+    these API keys added to its own."""
     values = read_config_file(Path(path)) if path else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if api_keys:
+        values["api_keys"] = [*(values.get("api_keys") or []), *api_keys]
     try:
         return AppConfig.model_validate(values)
     except ValidationError as err:  # one line for the command line: "engine.max_slots: Input should be ..."

@@ -19,6 +19,7 @@ import threading
 import time
 
 from .app import APP_NAME, build_app, start_serve
+from .auth import ENV_VAR
 from .cli import CliError
 from .config import AppConfig, load_config
 
@@ -26,7 +27,8 @@ POLL_S = 0.5
 
 
 def serve(args: argparse.Namespace) -> None:
-    config = load_config(args.config, {"model": args.model, "port": args.port, "replicas": args.replicas})
+    config = load_config(args.config, {"model": args.model, "port": args.port, "replicas": args.replicas},
+                         api_keys=args.api_keys or [])
     _check_model(config)
     stop = _StopOnSignal()
     import ray  # noqa: PLC0415 - slow to import: only after the arguments are known good
@@ -108,8 +110,10 @@ def _progress(app) -> str:
 def _say_ready(config: AppConfig) -> None:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
+    keyed = config.api_keys or os.environ.get(ENV_VAR, "").strip()
     _say(f"\nrwkv-fleet is serving at {url}/v1 (OpenAI-compatible; API docs at {url}/docs). Ctrl-C stops it.\n"
          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+         + ("    -H \"Authorization: Bearer $KEY\" \\\n" if keyed else "") +
          """    -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'\n""")
 
 

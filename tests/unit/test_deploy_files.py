@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import jsonschema
+import pytest
 import ray.autoscaler
 import yaml
 from ray.serve import Application
@@ -11,7 +12,7 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import CONTROLLER_ENV_VARS, AppConfig, read_config_file
+from serve_app.config import CONTROLLER_ENV_VARS, AppConfig, load_config, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +46,17 @@ def test_rwkv_fleet_serve_reads_serve_config_args():
     args = read_config_file(ROOT / "serve_config.yaml")
     assert args["engine"]["max_slots"] == 32 and args["port"] == 8000
     AppConfig.model_validate(args)
+
+
+def test_api_keys_from_the_file_and_the_flags(tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text("api_keys: [sk-file]\n")
+    config = load_config(path, api_keys=["sk-flag"])
+    assert [k.get_secret_value() for k in config.api_keys] == ["sk-file", "sk-flag"]
+    assert "sk-file" not in repr(config)  # (a config in a log shows no key)
+    for bad in ("", "two words"):
+        with pytest.raises(ValueError, match="api_keys: an API key is empty or holds whitespace"):
+            load_config(None, api_keys=[bad])
 
 
 def test_deployment_options_follow_the_config():
