@@ -94,7 +94,7 @@ class ReplicaConfig(BaseModel):
 class TokenText:
     token: str  # the token's text, or "bytes:\\x.." when its bytes are not whole UTF-8
     bytes: bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class ReplicaError:
 class Chunk:
     text: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # each prompt token's, in the first chunk (prompt_logprobs)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     usage: Usage | None = None
     error: ReplicaError | None = None
@@ -271,11 +272,12 @@ class Replica:
         deltas = [e for e in events if isinstance(e, Delta)]
         end = events[-1] if isinstance(events[-1], Finished) else None
         logprobs = tuple(self._token_logprobs(lp) for d in deltas for lp in d.logprobs or ())
+        prompt = tuple(self._token_logprobs(lp) for d in deltas for lp in d.prompt_logprobs or ())
         text = "".join(d.text for d in deltas)
         if end is None:
-            return Chunk(text, logprobs)
+            return Chunk(text, logprobs, prompt)
         error = _failure(end) if end.reason == "error" else None
-        return Chunk(text, logprobs, end.reason, end.usage, error)
+        return Chunk(text, logprobs, prompt, end.reason, end.usage, error)
 
     def _token_logprobs(self, lp: TokenLogprob) -> TokenLogprobs:
         top = tuple(token_text(self.tokenizer, t, p) for t, p in lp.top)
@@ -368,7 +370,8 @@ async def coalesce(events: RequestStream, interval: Callable[[], float], max_tok
                 continue
             group.append(event)
             tokens += len(event.token_ids) if isinstance(event, Delta) else 0
-            first = not texted and isinstance(event, Delta) and bool(event.text or event.logprobs)
+            first = not texted and isinstance(event, Delta) and bool(event.text or event.logprobs
+                                                                     or event.prompt_logprobs)
             texted = texted or first
             if isinstance(event, Finished) or tokens >= max_tokens or first:
                 yield group
@@ -382,7 +385,7 @@ async def coalesce(events: RequestStream, interval: Callable[[], float], max_tok
         yield group
 
 
-def token_text(tokenizer: Tokenizer, token_id: int, logprob: float) -> TokenText:
+def token_text(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> TokenText:
     data = tokenizer.token_bytes(token_id)
     try:
         text = data.decode("utf-8")

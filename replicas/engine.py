@@ -10,7 +10,9 @@ and iterate its events. One step of the loop:
      backed into the prefix cache first; then the cache's longest prefix is loaded;
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
-     wait up to `prefill_every` steps, so that prompts of nearby steps share one call);
+     wait up to `prefill_every` steps, so that prompts of nearby steps share one call); a row that
+     scores its prompt (`prompt_logprobs`) starts from its start, never from a cached state, and
+     its chunks take a call of their own that gives the logits after every token;
   5. sample every row that has fresh logits (a row in JSON mode from the tokens its JSON allows
      next), and feed the rows that max_tokens does not end their tokens before the host reads
      them (one decode call, queued on a GPU behind the choice, with the tokens where the sampler
@@ -138,6 +140,8 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # with SamplingParams.prompt_logprobs, once, before the first token: each prompt token's entry
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,7 @@ class _Row:
     cached_tokens: int = 0
     logits: Tensor | None = None  # [V], the logits the next token is sampled (or was sampled) from
     fresh: bool = False  # logits not yet sampled from
+    scores: list[TokenLogprob] | None = None  # the prompt's logprobs so far (SamplingParams.prompt_logprobs)
     cancelled: bool = False
     admitted_at: int = 0  # the engine's step count when the row took its slot
 
@@ -278,6 +283,12 @@ class _Row:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt)
+
+    @property
+    def reused(self) -> Sequence[int]:
+        """The prompt as slots and the cache match it: none of it when its every token is to be
+        scored (a state from elsewhere would skip the logits that score them)."""
+        return () if self.request.params.prompt_logprobs is not None else self.request.prompt
 
 
 class Engine:
@@ -529,10 +540,10 @@ class Engine:
         reading = []
         while self._waiting:
             row = self._waiting[0]
-            if self.cache.prefetch(row.namespace, row.request.prompt, self._wake):
+            if self.cache.prefetch(row.namespace, row.reused, self._wake):
                 reading.append(self._waiting.popleft())
                 continue
-            choice = self.slots.choose(row.namespace, row.request.prompt)
+            choice = self.slots.choose(row.namespace, row.reused)
             if choice is None:
                 break
             self._waiting.popleft()
@@ -566,7 +577,7 @@ class Engine:
             start = len(continued)
             self.stats["continued_tokens"] += start
         else:
-            snapshot, start = self.cache.match(row.namespace, prompt)
+            snapshot, start = self.cache.match(row.namespace, row.reused)
             if snapshot is not None:
                 self.runner.write_state(row.slot, snapshot.state)
                 if start == len(prompt):  # an exact hit: the cached logits give the first token
@@ -576,6 +587,8 @@ class Engine:
             else:
                 self.runner.reset(row.slot)
         row.consumed, row.todo, row.cached_tokens = prompt[:start], prompt[start:], start
+        if row.request.params.prompt_logprobs is not None:
+            row.scores = []
         if not row.todo:
             self.slots.start_generating(row.slot)
 
@@ -610,13 +623,29 @@ class Engine:
         return self._steps - min(row.admitted_at for row in ready) >= self.config.prefill_every - 1
 
     def _run_prefill(self, plan: list[tuple[_Row, list[int]]]) -> None:
-        if not plan:
-            return
+        """The plan's chunks: in one call, but for the rows that score their prompt, whose call
+        (one for all of them) gives the logits after every token."""
+        plain = [(row, chunk) for row, chunk in plan if row.scores is None]
+        scored = [(row, chunk) for row, chunk in plan if row.scores is not None]
+        if plain:
+            logits = self._prefill_call("prefill", plain)
+            if logits is not None:
+                self._prefilled(plain, logits.unbind(0))
+        if scored:
+            every = self._prefill_call("prefill_all", scored)
+            if every is not None:
+                per_row = every.split([len(chunk) for _, chunk in scored])
+                for (row, chunk), logits in zip(scored, per_row, strict=True):
+                    row.scores += self._scores(row, chunk, logits)
+                self._prefilled(scored, [logits[-1] for logits in per_row])
+
+    def _prefill_call(self, kind: str, plan: list[tuple[_Row, list[int]]]) -> Tensor | None:
         rows = [row for row, _ in plan]
-        logits = self._model_call("prefill", rows, [row.slot for row in rows], [chunk for _, chunk in plan])
-        if logits is None:
-            return
-        for (row, chunk), row_logits in zip(plan, logits.unbind(0), strict=True):
+        return self._model_call(kind, rows, [row.slot for row in rows], [chunk for _, chunk in plan])
+
+    def _prefilled(self, plan: list[tuple[_Row, list[int]]], logits: Sequence[Tensor]) -> None:
+        """Each row took its chunk; `logits` are each row's after its chunk's last token."""
+        for (row, chunk), row_logits in zip(plan, logits, strict=True):
             row.consumed += chunk
             row.todo = row.todo[len(chunk) :]
             row.logits = row_logits
@@ -624,9 +653,31 @@ class Engine:
             at_checkpoint = len(row.consumed) % self.config.checkpoint_interval == 0
             if not row.todo or at_checkpoint:
                 self._publish(row)
-            if not row.todo:
-                row.fresh = True
-                self.slots.start_generating(row.slot)
+            if row.todo:
+                continue
+            if row.scores is not None:
+                self._deliver(row, Delta("", (), None, tuple(row.scores)))
+                row.scores = None
+            if row.request.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
+                self._finish(row, "length")
+                continue
+            row.fresh = True
+            self.slots.start_generating(row.slot)
+
+    def _scores(self, row: _Row, chunk: list[int], logits: Tensor) -> list[TokenLogprob]:
+        """The chunk's tokens' logprobs (and the top prompt_logprobs alternatives), each by the
+        logits before it: the row's last (none before the prompt's first token), then the chunk's
+        own but its last. The model's distribution as it is: no temperature, penalty or bias."""
+        before = logits[:-1] if row.logits is None else torch.cat([row.logits[None].to(logits.dtype), logits[:-1]])
+        scored = chunk[len(chunk) - before.shape[0]:]
+        logprobs = torch.log_softmax(before.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(scored, device=logprobs.device)[:, None])[:, 0].tolist()
+        k = row.request.params.prompt_logprobs
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+        out = [TokenLogprob(chunk[0], None)] if len(scored) < len(chunk) else []
+        for token, lp, ids, lps in zip(scored, chosen, top_ids.tolist(), top_lp.tolist(), strict=True):
+            out.append(TokenLogprob(token, lp, tuple(zip(map(int, ids), lps, strict=True))))
+        return out
 
     def _run_decode(self, rows: list[_Row], tokens: Tensor) -> tuple[list[_Row], Tensor] | None:
         """Feeds the sampled rows that max_tokens does not end their tokens (`tokens`, one a row, on

@@ -52,6 +52,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n others
+    prompt_logprobs: int | None = None  # None: off; n: each prompt token's logprob and the top n (no cache used)
     json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
     json_schema: str | None = None  # JSON mode with a schema (its JSON text): an object it describes
     json_or_text: bool = False  # JSON mode only if the output opens with "{", else text (a tool call, "auto")
@@ -72,7 +73,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first bad field."""
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1),
+             "max_tokens must be at least 1 (0 only with the prompt's logprobs)"),
             (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (off) or positive"),
@@ -85,6 +87,8 @@ class SamplingParams:
             (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids out of vocabulary"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"top_logprobs must be between 0 and {MAX_LOGPROBS}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}"),
             (all(0 <= int(t) < vocab_size for t in self.logit_bias), "logit_bias names a token out of vocabulary"),
             (all(-100.0 <= float(b) <= 100.0 for b in self.logit_bias.values()),
              "logit_bias values must be between -100 and 100"),
@@ -100,7 +104,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to score it by)
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens, best first
 
 

@@ -113,9 +113,9 @@ _STATE_UPLOAD_DOC = {
 
 
 def sampling_params_checked(body, max_tokens: int, extra_stop: list[str], logprobs: int | None,
-                            vocab: int) -> SamplingParams:
+                            vocab: int, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters, validated here so that a bad field is a 400 before any replica call."""
-    params = sampling_params(body, max_tokens, extra_stop, logprobs)
+    params = sampling_params(body, max_tokens, extra_stop, logprobs, prompt_logprobs)
     try:
         params.validate(vocab)
     except InvalidRequest as err:
@@ -174,7 +174,8 @@ class Ingress:
         body.refuse_unsupported()
         prompts = await self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
-        params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size)
+        params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size,
+                                         body.prompt_logprobs)
         requests, prompt_of = self._requests(prompts, body.n, params, body.init_state)
         echo = [self.tokenizer.decode(prompts[p]) for p in prompt_of] if body.echo else []
         fmt = CompletionFormat(self.model_name, len(requests), body.logprobs, echo)

@@ -184,8 +184,15 @@ class CompletionRequest(_Sampling):
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise ApiError(400, "best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported", param="echo")
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise ApiError(400, "max_tokens 0 is taken only with echo and logprobs (to score the prompt)",
+                           param="max_tokens")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """With echo, logprobs scores the prompt too (as OpenAI's legacy completions and lm-eval's
+        loglikelihood requests have it)."""
+        return self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -360,8 +367,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -530,7 +537,8 @@ class InitStateDeleted(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for one choice of a request (the engine validates ranges)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
@@ -548,6 +556,7 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         json_object=req.json_object,
         json_schema=req.json_schema,
         json_or_text=req.json_or_text,

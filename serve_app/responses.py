@@ -50,12 +50,14 @@ class Outcome:
 
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: EngineUsage | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
         self.logprobs += chunk.logprobs
+        self.prompt_logprobs += chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
 
@@ -121,33 +123,44 @@ class CompletionFormat(_Format):
 
     def body(self, outcomes: Sequence[Outcome], usage: Usage) -> Completion:
         choices = [CompletionChoice(index=i, text=self.echo[i] + o.text, finish_reason=o.finish_reason,
-                                    logprobs=self._logprobs(i, o.logprobs)) for i, o in enumerate(outcomes)]
+                                    logprobs=self._logprobs(i, o.logprobs, o.prompt_logprobs))
+                   for i, o in enumerate(outcomes)]
         return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def chunk(self, index: int, chunk: Chunk) -> Completion | None:
         text = chunk.text
         if not self._echoed[index]:
             text, self._echoed[index] = self.echo[index] + text, True
-        if not (text or chunk.logprobs or chunk.finish_reason):
+        if not (text or chunk.logprobs or chunk.prompt_logprobs or chunk.finish_reason):
             return None
         choice = CompletionChoice(index=index, text=text, finish_reason=chunk.finish_reason,
-                                  logprobs=self._logprobs(index, chunk.logprobs))
+                                  logprobs=self._logprobs(index, chunk.logprobs, chunk.prompt_logprobs))
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
-    def _logprobs(self, index: int, entries: Sequence[TokenLogprobs]) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprobs],
+                  prompt: Sequence[TokenLogprobs] = ()) -> CompletionLogprobs | None:
+        """The entries of the echoed prompt (offsets from 0), then the generated tokens' (from the
+        echo's end); the prompt's first token has no logprob (null, as OpenAI's)."""
         if self.logprobs is None:
             return None
-        out = CompletionLogprobs()
+        out, at = CompletionLogprobs(), 0
+        for entry in prompt:
+            self._add(out, entry, at)
+            at += len(entry.chosen.token)
         for entry in entries:
-            out.tokens.append(entry.chosen.token)
-            out.token_logprobs.append(entry.chosen.logprob)
-            out.top_logprobs.append({t.token: t.logprob for t in entry.top})
-            out.text_offset.append(self._offsets[index])
+            self._add(out, entry, self._offsets[index])
             self._offsets[index] += len(entry.chosen.token)
         return out
+
+    @staticmethod
+    def _add(out: CompletionLogprobs, entry: TokenLogprobs, offset: int) -> None:
+        out.tokens.append(entry.chosen.token)
+        out.token_logprobs.append(entry.chosen.logprob)
+        out.top_logprobs.append(None if entry.chosen.logprob is None else {t.token: t.logprob for t in entry.top})
+        out.text_offset.append(offset)
 
 
 class ChatFormat(_Format):

@@ -227,19 +227,42 @@ class CudaRunner(SlotStates):
         order = self._to_device(torch.tensor([source[i] for i in range(len(rows))]))
         return torch.cat(parts).index_select(0, order)
 
+    @torch.no_grad()
+    def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
+        """As prefill, with the logits after every token: [Σ len(chunk), V] fp32, row after row
+        (a prompt's every token scored). A row at a time, its kernels launched one by one, no
+        graph: the last layer and the head run over every token, not the tail. A new row's
+        first token takes the gemv step (fp32 activations), as in prefill."""
+        self._check_rows(rows, len(chunks))
+        if any(len(c) == 0 for c in chunks):
+            raise ValueError("every chunk needs at least one token")
+        outs = []
+        for row, chunk in zip(rows, chunks, strict=True):
+            fresh = row in self._fresh
+            self._fresh.discard(row)
+            groups, _ = plan([len(chunk)], [fresh])
+            steps = [([row], [chunk[0]], True)] if groups else []
+            rest = chunk[1:] if groups else chunk
+            outs += self._prefill_parts(steps, ([row], [rest]) if rest else None, every=True)
+        return torch.cat(outs)
+
     def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int], bool]],
-                       call: tuple[Sequence[int], Sequence[Sequence[int]]] | None) -> list[Tensor | None]:
+                       call: tuple[Sequence[int], Sequence[Sequence[int]]] | None,
+                       every: bool = False) -> list[Tensor | None]:
         """Gemv decode steps (rows, tokens, whether their logits are wanted) of at most
         AUTO_PATH_MAX rows, then a prefill call (rows, chunks), one after the other, each padded
         to its buckets with rows on the scratch slot (one graph for every call of the same
-        buckets): the real rows' logits (None for a step that wants none)."""
-        real = [len(rows) for rows, _, _ in steps] + ([len(call[0])] if call is not None else [])
+        buckets): the real rows' logits (None for a step that wants none); with `every`, the
+        call's are after each of its tokens, and no graph runs it."""
+        real = [len(rows) for rows, _, _ in steps]
+        if call is not None:
+            real.append(sum(len(c) for c in call[1]) if every else len(call[0]))
         steps = [(_filled(rows, row_bucket(n), self.scratch), _filled(tokens, row_bucket(n), 0), want)
                  for (rows, tokens, want), n in zip(steps, real, strict=False)]
         pieces = [torch.tensor([list(tokens), list(rows)], dtype=torch.int64).view(-1) for rows, tokens, _ in steps]
         layout = None
         if call is not None:
-            fields, layout = self._batch_fields(*self._padded_call(*call), real=len(call[0]))
+            fields, layout = self._batch_fields(*self._padded_call(*call), real=len(call[0]), every=every)
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple((len(rows), want) for rows, _, want in steps), layout,
@@ -254,7 +277,7 @@ class CudaRunner(SlotStates):
                 outs.append(self._prefill_body(self._batch_views(views[-1], layout)))
             return outs
 
-        graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs else None
+        graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs and not every else None
         if graph is None:
             return [None if out is None else out[:n] for out, n in zip(body(self._to_device(host)), real, strict=True)]
         captured, static, outs = graph
@@ -523,9 +546,11 @@ class CudaRunner(SlotStates):
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]], real: int) -> tuple[Tensor, tuple]:
+    def _batch_fields(self, rows: Sequence[int], chunks: Sequence[Sequence[int]], real: int,
+                      every: bool = False) -> tuple[Tensor, tuple]:
         """The call's index tensors as one flat int64 host tensor, and the layout that _batch_views
-        splits it by. numpy: a Python loop over 16k tokens costs milliseconds, and each of torch's
+        splits it by. With `every`, the tail (what the last layer's channel mix and the head take)
+        is every token. numpy: a Python loop over 16k tokens costs milliseconds, and each of torch's
         small operations microseconds (this is host time before a call's first kernel)."""
         R = len(rows)
         lengths = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=R)
@@ -538,8 +563,9 @@ class CudaRunner(SlotStates):
         tok_row = np.full(T, -1, dtype=np.int64)
         tok_row[lasts] = np.arange(R)
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunks])
-        fields = [tokens, tok_slot, tok_row, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu,
-                  *_tail_fields(lengths, lasts, slots)]
+        every_token = np.arange(T)
+        tail = (every_token, tok_slot, tok_row, every_token) if every else _tail_fields(lengths, lasts, slots)
+        fields = [tokens, tok_slot, tok_row, slots, np.stack([slots, starts, lengths], 1).reshape(-1), cu, *tail]
         chunked = self.prefill_wkv == "chunked" and T > EXACT_PREFILL
         if chunked:  # as many as the buckets allow (those past the call's chunks cover no token)
             fields.append(wkv_chunk.chunk_indices(lengths, T // wkv_chunk.CHUNK + R).numpy().reshape(-1))
@@ -629,9 +655,9 @@ class CudaRunner(SlotStates):
         st.att_shift.index_copy_(1, batch.slots, new_att)
         st.ffn_shift.index_copy_(1, batch.slots, new_ffn)
         hn = K.add_ln(x, dx, *self.ln_out, batch.tail_lasts, act)
-        if exact:
-            logits = torch.empty(R, self.vocab_size, device=dev, dtype=torch.float32)
-            return K.gemv(hn, self.head, logits, R, n_sm=self.n_sm)
+        if exact:  # (a row each, or with prefill_all's tail a token each)
+            logits = torch.empty(hn.shape[0], self.vocab_size, device=dev, dtype=torch.float32)
+            return K.gemv(hn, self.head, logits, hn.shape[0], n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
 
     @staticmethod

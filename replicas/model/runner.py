@@ -6,6 +6,7 @@ sampling or caching: the batcher decides which rows move, the runner moves them.
 
 Contract shared by every runner (CPU reference here, the CUDA runner in cuda_runner.py):
     prefill(rows, chunks) -> logits [len(rows), V] fp32, each row's logits after its chunk
+    prefill_all(rows, chunks) -> logits [Σ len(chunk), V] fp32, after each token of each chunk in turn
     decode(rows, tokens, feed=None) -> logits [len(rows), V] fp32, one token per row (tokens may
         be a device tensor; a row where the bool tensor feed is False stays as it was)
     read_state(slot) -> RNNState (1 row, a copy);  write_state(slot, state);  reset(slot)
@@ -69,19 +70,26 @@ class ModelRunner(SlotStates):
         self.wkv = wkv or (wkv_chunked if self.device.type == "cpu" else wkv_reference)
         self.states = RNNState.zeros(self.config, max_slots, self.device)  # the slot table's rows
 
-    @torch.no_grad()
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """Advances each row by its chunk (chunks may differ in length) in one batched pass."""
+        return self._prefill(rows, chunks, last_only=True)
+
+    def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
+        """As prefill, with the logits after every token: [Σ len(chunk), V], row after row."""
+        return self._prefill(rows, chunks, last_only=False)
+
+    @torch.no_grad()
+    def _prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]], last_only: bool) -> Tensor:
         self._check_rows(rows, len(chunks))
         flat = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
         layout = Rows([len(chunk) for chunk in chunks], device=self.device)
         first = rows[0]
         if list(rows) == list(range(first, first + len(rows))):  # a run of slots: update them in place
             view = RNNState(*(t[:, first : first + len(rows)] for t in self.states.tensors()))
-            logits, _ = self.model(flat, layout, view, wkv=self.wkv, out=view)
+            logits, _ = self.model(flat, layout, view, wkv=self.wkv, out=view, last_only=last_only)
             return logits
         state = self.states.take(rows)
-        logits, _ = self.model(flat, layout, state, wkv=self.wkv, out=state)
+        logits, _ = self.model(flat, layout, state, wkv=self.wkv, out=state, last_only=last_only)
         self.states.put(rows, state)
         return logits
 

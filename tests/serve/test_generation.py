@@ -147,6 +147,42 @@ def test_token_id_prompts_and_echo(client, tokenizer):
     assert body["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, tokenizer):
+    """lm-evaluation-harness's loglikelihood request (local-completions): token-id prompts, echo,
+    logprobs 1, max_tokens 1, temperature 0. Each prompt token's entry is the one a request ending
+    just before it gives its next token: the same logits."""
+    contexts = [tokenizer.encode("The answer is"), tokenizer.encode("def main():\n    return")]
+    prompts = [ids + tokenizer.encode(" 42") for ids in contexts]
+    body = complete(client, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234)
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    for ids, choice in zip(prompts, choices, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # as OpenAI's
+        assert choice["text"].startswith(tokenizer.decode(ids))
+        assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+        for at in (1, len(ids) - 1):  # scored against a request that stops just before the token
+            before = complete(client, prompt=ids[:at], max_tokens=1, logprobs=5, temperature=0)
+            top = before["choices"][0]["logprobs"]["top_logprobs"][0]
+            best = max(top.values())
+            assert max(lp["top_logprobs"][at].values()) == pytest.approx(best, abs=1e-4)
+            assert lp["token_logprobs"][at] <= best + 1e-4
+        # lm-eval's sum over the continuation, and its greedy check, read from these lists
+        assert sum(lp["token_logprobs"][len(ids) - 1:-1]) < 0
+    scored = complete(client, prompt=prompts[0], echo=True, logprobs=0, max_tokens=0)
+    choice = scored["choices"][0]
+    assert choice["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        choices[0]["logprobs"]["token_logprobs"][1:-1], abs=1e-5)
+    assert all(top == {} for top in choice["logprobs"]["top_logprobs"][1:])
+    events = stream(client, "/v1/completions", prompt=prompts[0], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    streamed = [v for e in events for c in e["choices"] for v in (c["logprobs"] or {}).get("token_logprobs", [])]
+    assert streamed[1:] == pytest.approx(choices[0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    for bad in ({"max_tokens": 0}, {"max_tokens": 0, "echo": True}, {"max_tokens": 0, "logprobs": 1}):
+        r = client.post("/v1/completions", json={"prompt": "x", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", bad
+
+
 def test_stop_string_ends_the_text_before_it(client):
     free = complete(client, prompt="Numbers:", max_tokens=30, temperature=0)["choices"][0]["text"]
     stop = free[5:8]

@@ -622,6 +622,86 @@ def test_logprobs_and_usage(parts):
         engine.stop()
 
 
+def _reference_logprobs(parts, tokens: list[int], state: RNNState | None = None) -> torch.Tensor:
+    """log_softmax of the model's logits after each token, fed at once from `state` (zeros)."""
+    from replicas.model.rwkv7 import Rows
+
+    model = parts[0]
+    state = state if state is not None else RNNState.zeros(model.config, 1)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor(tokens), Rows([len(tokens)]), state, last_only=False)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_prompt_logprobs_score_every_prompt_token_by_the_model(parts):
+    """A long prompt in chunks (16 tokens, a checkpoint every 32) is scored token by token as the
+    model scores it whole; the first token has no logprob; a cached copy of the prompt is not used
+    (its states would skip the logits); max_tokens 0 ends at the prompt; the reply is the same."""
+    tok = parts[1]
+    prompt = tok.encode("".join(PROMPTS))
+    assert len(prompt) > 64
+    ref = _reference_logprobs(parts, prompt)
+    engine = make_engine(parts)
+    try:
+        async def scored(params):
+            entries, result = None, Result()
+            async for event in engine.generate(Request(prompt, params)):
+                if isinstance(event, Started):
+                    result.started = event
+                elif isinstance(event, Delta):
+                    assert event.prompt_logprobs is None or entries is None  # once
+                    entries = event.prompt_logprobs or entries
+                    result.tokens += event.token_ids
+                else:
+                    result.finished = event
+            return entries, result
+
+        plain = run(collect(engine, Request(prompt, GREEDY)))  # the prompt's states now in the cache
+        entries, result = run(scored(SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=3)))
+        assert result.started.cached_tokens == 0 and result.tokens == []
+        assert result.finished.reason == "length" and result.finished.usage.completion_tokens == 0
+        assert [e.token_id for e in entries] == prompt
+        assert entries[0].logprob is None and entries[0].top == ()
+        got = torch.tensor([e.logprob for e in entries[1:]])
+        want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        for i, entry in enumerate(entries[1:]):
+            top_lp, top_ids = ref[i].topk(3)
+            assert [t for t, _ in entry.top] == top_ids.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top_lp.tolist(), abs=1e-4)
+
+        entries, result = run(scored(SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=0)))
+        assert result.tokens == plain.tokens and all(e.top == () for e in entries)
+        settle(engine)
+    finally:
+        engine.stop()
+
+
+def test_prompt_logprobs_from_an_init_state(parts):
+    tok = parts[1]
+    persona, prompt = tok.encode("# A small HTTP server.\n"), tok.encode("import socket\nimport os\n")
+    engine = make_engine(parts)
+    try:
+        engine.load_init_state(InitState(id="st-p", name="p", state=_state_after(parts, persona)))
+
+        async def scored():
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            async for event in engine.generate(Request(prompt, params, init_state="p")):
+                if isinstance(event, Delta) and event.prompt_logprobs:
+                    return event.prompt_logprobs
+
+        entries = run(scored())
+        ref = _reference_logprobs(parts, persona + prompt)[len(persona):]  # the persona's state, then the prompt
+        assert entries[0].logprob is None  # (the state keeps no logits to score the first token by)
+        want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([e.logprob for e in entries[1:]]), want, atol=1e-4)
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            engine.submit(Request(prompt, SamplingParams(max_tokens=0)))
+        settle(engine)
+    finally:
+        engine.stop()
+
+
 def test_cache_respects_byte_budgets_and_demotes_to_host(parts):
     model, tok = parts
     snapshot_bytes = model.config.state_bytes() + 4 * model.config.vocab_size
