@@ -63,6 +63,13 @@ class Tokenizer(abc.ABC):
             texts[token_id] = text
         return text
 
+    def eos_text(self) -> str | None:
+        """The end token's text, where encoding that text gives the end token back (a Hugging Face
+        tokenizer's special token); None otherwise (the World vocabulary's 0 stands for no text)."""
+        eos = self.eos_token_id
+        text = None if eos is None else self.token_text(eos)
+        return text if text and self.encode(text) == [eos] else None
+
     def _check_id(self, token_id: int) -> None:
         # Negative ids would otherwise index a table from its end and decode silently.
         if not 0 <= token_id < self.vocab_size:

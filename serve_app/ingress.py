@@ -7,7 +7,7 @@ deployment through `streams.ChoiceStreams`; init states and metrics go through t
 Never touches model state or a GPU.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
-GET|DELETE /v1/responses/{id}, POST /tokenize, POST /detokenize, GET /v1/models[/{id}],
+GET|DELETE /v1/responses/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models[/{id}],
 GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
 /openapi.json and /docs. With API keys set, all but the last two, the schema and /metrics want one
 (serve_app/auth.py).
@@ -53,6 +53,7 @@ from .protocol import (
     StateFromFile,
     Tokenized,
     TokenizeRequest,
+    TokenizerInfo,
     sampling_params,
     validation_error,
 )
@@ -321,6 +322,12 @@ class Ingress:
     async def detokenize(self, body: DetokenizeRequest) -> Detokenized:
         self._check_model(body.model)
         return Detokenized(prompt=self.tokenizer.decode(self._token_ids(body.tokens, "tokens")))
+
+    @api.get("/tokenizer_info", summary="The tokenizer's special tokens and limits (as vLLM's)")
+    async def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo(eos_token=self.tokenizer.eos_text(),
+                             model_max_length=self.config.engine.max_prompt_tokens,
+                             vocab_size=self.model_config.vocab_size)
 
     # -- models ----------------------------------------------------------------------------
 

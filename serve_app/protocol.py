@@ -505,6 +505,19 @@ class Detokenized(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info, as vLLM's (lm-evaluation-harness tokenizes through the server when a
+    server has it, /tokenize and /detokenize: the World vocabulary has no Hugging Face form)."""
+
+    eos_token: str | None = Field(description="the end-of-text token's text, where /tokenize gives its id for it "
+                                  "(not in the World vocabulary, whose end of text, 0, has no text)")
+    bos_token: None = None  # RWKV models take none
+    pad_token: None = None
+    chat_template: None = Field(None, description="none in Jinja: the chat format is the config's (docs/serving.md)")
+    model_max_length: int = Field(description="the longest prompt a request may have, in tokens")
+    vocab_size: int
+
+
 class InitStateObject(BaseModel):
     id: str
     object: Literal["init_state"] = "init_state"

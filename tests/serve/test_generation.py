@@ -277,6 +277,17 @@ def test_tokenize_counts_what_a_request_will_and_detokenize_inverts_it(client):
     assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
 
 
+def test_tokenizer_info_names_the_end_token_as_vllm_does(client, served):
+    """lm-evaluation-harness's remote tokenizer: GET /tokenizer_info with eos_token, whose id it
+    takes as /tokenize's first token of that text; POST /tokenize with add_special_tokens. The
+    World vocabulary's end of text (0) has no text to tokenize: none is named (Tokenizer.eos_text)."""
+    info = client.get("/tokenizer_info").json()
+    assert "eos_token" in info and info["eos_token"] is None and info["bos_token"] is None
+    assert info["model_max_length"] == MAX_PROMPT_TOKENS and info["vocab_size"] == 65536
+    tokens = client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+
+
 def test_models_health_and_schema(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]

@@ -123,6 +123,10 @@ def test_world_long_text_matches_reference(world, reference):
     assert world.encode(text) == reference.encode(text)
 
 
+def test_world_end_of_text_has_no_text(world):
+    assert world.eos_token_id == 0 and world.token_bytes(0) == b"" and world.eos_text() is None
+
+
 def test_world_vocabulary_layout(world):
     assert world.vocab_size == 65536
     assert world.eos_token_id == 0
@@ -303,6 +307,7 @@ def test_hf_special_tokens_and_eos(byte_level_json):
     assert eos is not None and tok.token_bytes(eos) == b"<|endoftext|>"
     assert tok.decode([*tok.encode("hi"), eos]) == "hi<|endoftext|>"
     assert HFTokenizer(byte_level_json, eos_token_id=1).eos_token_id == 1
+    assert tok.eos_text() == "<|endoftext|>"  # (GET /tokenizer_info names it: its text encodes to it)
     with pytest.raises(ValueError, match="outside"):
         HFTokenizer(byte_level_json, eos_token_id=tok.vocab_size)
 
