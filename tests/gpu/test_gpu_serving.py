@@ -155,3 +155,49 @@ def test_json_mode_on_the_gpu_writes_the_cpus_json(model_dir):
         elif p.json_schema == strings:
             assert re.fullmatch("[a-z]{2,5}", values[0]["code"]) and datetime.date.fromisoformat(values[0]["day"])
     assert sum(reason == "stop" for _, reason in on_gpu) >= len(on_gpu) // 2
+
+
+def test_scored_prompts_on_the_gpu_give_the_cpus_logprobs(model_dir):
+    """Prompts scored token by token (echo with logprobs) through the engine in its own process on
+    the GPU, beside rows that generate: the prompt tokens' logprobs within the exactness bar of the
+    CPU model's fp32 math (‖Δ‖/‖ref‖ ≤ 1e-2), the first token's none, the top alternative the
+    CPU's where it is not near a tie. The long prompt takes two calls of the large path."""
+    from replicas.model.rwkv7 import Rows
+    from replicas.model.state import RNNState
+
+    runner, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
+    prompts = ["".join(PYTHON_PROMPTS) * 4, PROMPTS[-1]]  # a long one (two chunks of 256), a short one
+    config = EngineConfig(max_slots=4, token_chunk_size=256, max_prefill_tokens=512)
+    engine, _, _ = EngineProcess.open(model_dir, "cuda", config)
+
+    async def scored(prompt: str):
+        params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+        async for event in engine.submit(Request(tokenizer.encode(prompt), params)):
+            if isinstance(event, Delta) and event.prompt_logprobs:
+                return event.prompt_logprobs
+
+    async def beside():  # rows that generate meanwhile
+        return [e async for p in PROMPTS[:3] for e in engine.submit(
+            Request(tokenizer.encode(p), SamplingParams(max_tokens=16, temperature=0.0)))]
+
+    async def everything():
+        return await asyncio.gather(*(scored(p) for p in prompts), beside())
+
+    try:
+        *entries, _ = asyncio.run(everything())
+        engine.check_integrity()
+    finally:
+        engine.stop()
+    for prompt, got in zip(prompts, entries, strict=True):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            logits, _ = runner.model(torch.tensor(ids), Rows([len(ids)]), RNNState.zeros(runner.config, 1),
+                                     last_only=False)
+        ref = torch.log_softmax(logits, dim=-1)
+        assert [e.token_id for e in got] == ids and got[0].logprob is None
+        want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        diff = torch.tensor([e.logprob for e in got[1:]]) - want
+        assert diff.norm() / want.norm() <= 1e-2 and diff.abs().max() <= 0.1, (len(ids), diff.abs().max())
+        top2 = ref[:-1].topk(2).values
+        clear = (top2[:, 0] - top2[:, 1] > 0.05).tolist()
+        assert all(e.top[0][0] == int(ref[i].argmax()) for i, e in enumerate(got[1:]) if clear[i])
