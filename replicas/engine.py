@@ -637,7 +637,7 @@ class Engine:
                 per_row = every.split([len(chunk) for _, chunk in scored])
                 for (row, chunk), logits in zip(scored, per_row, strict=True):
                     row.scores += self._scores(row, chunk, logits)
-                self._prefilled(scored, [logits[-1] for logits in per_row])
+                self._prefilled(scored, [logits[-1].clone() for logits in per_row])  # (not views of it all)
 
     def _prefill_call(self, kind: str, plan: list[tuple[_Row, list[int]]]) -> Tensor | None:
         rows = [row for row, _ in plan]
@@ -671,7 +671,8 @@ class Engine:
         before = logits[:-1] if row.logits is None else torch.cat([row.logits[None].to(logits.dtype), logits[:-1]])
         scored = chunk[len(chunk) - before.shape[0]:]
         logprobs = torch.log_softmax(before.float(), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(scored, device=logprobs.device)[:, None])[:, 0].tolist()
+        index = torch.tensor(scored, dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
         k = row.request.params.prompt_logprobs
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
         out = [TokenLogprob(chunk[0], None)] if len(scored) < len(chunk) else []

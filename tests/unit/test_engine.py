@@ -697,6 +697,14 @@ def test_prompt_logprobs_from_an_init_state(parts):
         assert torch.allclose(torch.tensor([e.logprob for e in entries[1:]]), want, atol=1e-4)
         with pytest.raises(InvalidRequest, match="max_tokens"):
             engine.submit(Request(prompt, SamplingParams(max_tokens=0)))
+
+        async def one_token():  # a prompt of one token: its entry and nothing else
+            params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+            return [e async for e in engine.generate(Request(prompt[:1], params))]
+
+        events = run(one_token())
+        assert [type(e) for e in events] == [Started, Delta, Finished] and events[-1].reason == "length"
+        assert [(e.token_id, e.logprob) for e in events[1].prompt_logprobs] == [(prompt[0], None)]
         settle(engine)
     finally:
         engine.stop()
