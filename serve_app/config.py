@@ -110,6 +110,9 @@ class AppConfig(BaseModel):
     api_keys: list[SecretStr] = Field(
         [], description="keys a request must bear as `Authorization: Bearer KEY` (besides RWKV_FLEET_API_KEY in the "
         "ingress's environment); none: the API is open. /health, /metrics and the schema are open either way")
+    cors_allow_origins: list[str] = Field(
+        [], description="origins whose pages may call the API from a browser (CORS), e.g. https://chat.example.com; "
+        "[\"*\"]: any; none: no CORS headers")
     host: str = Field("127.0.0.1", description="HTTP host (rwkv-fleet serve; serve deploy uses http_options)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (rwkv-fleet serve; see host)")
 

@@ -9,8 +9,8 @@ Never touches model state or a GPU.
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
 GET|DELETE /v1/responses/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models[/{id}],
 GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
-/openapi.json and /docs. With API keys set, all but the last two, the schema and /metrics want one
-(serve_app/auth.py).
+/openapi.json and /docs. With API keys set, all but the last two, the schema and /metrics want one;
+browsers' cross-origin calls where origins are allowed (serve_app/access.py).
 """
 
 
@@ -35,7 +35,7 @@ from replicas.model.loader import default_model_dir
 from replicas.sampling import InvalidRequest, SamplingParams
 from replicas.tokenizer import load_tokenizer
 
-from . import auth, chat, registry, responses_api
+from . import access, chat, registry, responses_api
 from .config import AppConfig
 from .metrics import CONTENT_TYPE, prometheus_text, stats_view
 from .protocol import (
@@ -71,7 +71,7 @@ api = FastAPI(
     description="An OpenAI-compatible API serving RWKV-7 models on Ray Serve.",
     version="0.1.0",
 )
-api.add_middleware(auth.ApiKeyGate)
+api.add_middleware(access.AccessGate)
 
 
 # -- errors: always OpenAI's error JSON --------------------------------------------------------
@@ -155,7 +155,7 @@ class Ingress:
     async def __init__(self, config: AppConfig, replica: DeploymentHandle, connect_registry=registry.connect):
         self.config = config
         self.replica = replica
-        auth.KEYS.set([key.get_secret_value() for key in config.api_keys])
+        access.ACCESS.set([key.get_secret_value() for key in config.api_keys], config.cors_allow_origins)
         model_dir = config.model or default_model_dir()
         self.model_config, card = read_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir / card.tokenizer)

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 
+from .access import ENV_VAR
 from .app import APP_NAME, build_app, start_serve
-from .auth import ENV_VAR
 from .cli import CliError
 from .config import AppConfig, load_config
 

@@ -1,14 +1,16 @@
-"""API keys: with any set, a request must carry one as `Authorization: Bearer KEY`, or it is a 401.
+"""Who may call the API: API keys, and the browser origins allowed to call it (CORS).
 
 Owns which keys an ingress replica takes (the config's `api_keys` and the RWKV_FLEET_API_KEY
-environment variable), which paths are open without one, and the refusal's OpenAI error JSON. A
-pure ASGI middleware in front of every route: it answers a refusal itself and passes every other
-request through untouched (a streamed reply and its client's leaving included). Never touches
-generation.
+environment variable), which paths are open without one, the refusal's OpenAI error JSON (401),
+and the origins whose pages may call the API from a browser (`cors_allow_origins`: Starlette's
+CORSMiddleware, which answers a preflight itself, before any key is asked for, as browsers send
+none with it). One pure ASGI middleware in front of every route: it answers a refusal itself and
+passes every other request through untouched (a streamed reply and its client's leaving
+included). Never touches generation.
 
 Serve runs each ingress replica in a process of its own, and builds the middleware from the
-pickled FastAPI app, before the replica's __init__ has its config: so the keys live in this
-module (`KEYS`), set once by the replica as it starts.
+pickled FastAPI app, before the replica's __init__ has its config: so the settings live in this
+module (`ACCESS`), set once by the replica as it starts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hmac
 import os
 
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -27,19 +30,22 @@ ENV_VAR = "RWKV_FLEET_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
-class ApiKeys:
-    """The keys this process's ingress accepts; none: every request is let in."""
+class Access:
+    """This process's ingress settings: the keys it accepts (none: every request is let in) and the
+    browser origins it allows (none: no CORS headers, so browsers keep other origins' pages out)."""
 
     def __init__(self) -> None:
         self._keys: tuple[bytes, ...] = ()
+        self.origins: tuple[str, ...] = ()
 
-    def set(self, keys: list[str]) -> None:
-        """These keys, and RWKV_FLEET_API_KEY's where the environment has it."""
+    def set(self, keys: list[str], origins: list[str] = ()) -> None:
+        """These keys, and RWKV_FLEET_API_KEY's where the environment has it; these origins."""
         env = os.environ.get(ENV_VAR, "").strip()
         self._keys = tuple(dict.fromkeys(k.encode() for k in [*keys, env] if k))
+        self.origins = tuple(origins)
 
     @property
-    def required(self) -> bool:
+    def keyed(self) -> bool:
         return bool(self._keys)
 
     def refusal(self, authorization: bytes | None) -> ApiError | None:
@@ -57,18 +63,29 @@ class ApiKeys:
         return None
 
 
-KEYS = ApiKeys()
+ACCESS = Access()
 
 
-class ApiKeyGate:
-    """The ASGI middleware: refuses a request to a path outside OPEN_PATHS without a valid key."""
+class AccessGate:
+    """The ASGI middleware: CORS where origins are allowed, then the key check for every path
+    outside OPEN_PATHS."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._cors: CORSMiddleware | None = None  # made at the first request, once the settings are in
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and KEYS.required and _route(scope) not in OPEN_PATHS:
-            error = KEYS.refusal(dict(scope["headers"]).get(b"authorization"))
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if ACCESS.origins and self._cors is None:
+            self._cors = CORSMiddleware(self._keyed, allow_origins=list(ACCESS.origins), allow_methods=["*"],
+                                        allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+        await (self._cors or self._keyed)(scope, receive, send)
+
+    async def _keyed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if ACCESS.keyed and _route(scope) not in OPEN_PATHS:
+            error = ACCESS.refusal(dict(scope["headers"]).get(b"authorization"))
             if error is not None:
                 response = JSONResponse(error.body(), status_code=error.status,
                                         headers={"WWW-Authenticate": "Bearer"})
