@@ -7,7 +7,8 @@ and iterate its events. One step of the loop:
   2. end the rows whose caller left;
   3. admit waiting requests into free slots: an idle slot whose tokens prefix the prompt
      continues with no reload; else an empty slot; else the least recently used idle slot,
-     backed into the prefix cache first; then the cache's longest prefix is loaded;
+     backed into the prefix cache first; then the cache's longest prefix is loaded (a request
+     whose prompt starts with a prompt being prefilled waits for that one's state first);
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call); a row that
@@ -536,12 +537,17 @@ class Engine:
 
     def _admit(self) -> None:
         """Gives waiting rows slots, oldest first; a row whose state is a file being read waits
-        for it (the cache's prefetch) while the rows behind it go ahead."""
-        reading = []
+        for it (the cache's prefetch), and one whose prompt starts with a prompt being prefilled
+        waits for that one's state (_leader), while the rows behind them go ahead."""
+        held, reading = [], 0
         while self._waiting:
             row = self._waiting[0]
             if self.cache.prefetch(row.namespace, row.reused, self._wake):
-                reading.append(self._waiting.popleft())
+                held.append(self._waiting.popleft())
+                reading += 1
+                continue
+            if self._leader(row) is not None:
+                held.append(self._waiting.popleft())
                 continue
             choice = self.slots.choose(row.namespace, row.reused)
             if choice is None:
@@ -555,8 +561,23 @@ class Engine:
             row.slot, row.admitted_at = choice.slot, self._steps
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
-        self._waiting.extendleft(reversed(reading))
-        self._reading = len(reading)
+        self._waiting.extendleft(reversed(held))
+        self._reading = reading
+
+    def _leader(self, row: _Row) -> _Row | None:
+        """A row being prefilled whose whole prompt this waiting row's prompt starts with, when no
+        cached prefix would take it as far: the waiting row is admitted once that prompt's state
+        is in the cache (published at its end), instead of prefilling the same tokens beside it
+        (`n` choices of one prompt, a burst of requests with one long system prompt)."""
+        prompt = row.reused
+        for other in self._rows.values():
+            n = other.prompt_len
+            if (other.slot is None or not other.todo or not self.config.cache_min_tokens <= n <= len(prompt)
+                    or other.namespace != row.namespace or list(prompt[:n]) != list(other.request.prompt)):
+                continue
+            if self.cache.longest(row.namespace, prompt) < n:
+                return other
+        return None
 
     def _wake(self) -> None:
         """(any thread) The engine thread goes on if it waits for commands."""

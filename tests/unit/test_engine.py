@@ -189,6 +189,30 @@ def test_greedy_is_the_same_on_a_cache_hit_and_on_a_continued_slot(parts, alone)
         cold.stop()
 
 
+def test_requests_that_extend_a_prompt_being_prefilled_wait_for_its_state(parts, alone):
+    """A burst: three requests of one prompt (a request's n choices), one that extends it, one
+    other. The prompt is prefilled once; the others start from its state when it is published (the
+    copies at once, from its logits; the longer one prefills only its own tokens), with the tokens
+    each gets alone. The other prompt goes ahead meanwhile."""
+    tok = parts[1]
+    prompt = tok.encode(PROMPTS[0])
+    longer = prompt + tok.encode("    # and then\n")
+    other = tok.encode(PROMPTS[1])
+    engine = make_engine(parts, max_slots=4, token_chunk_size=8, max_prefill_tokens=16)
+    try:
+        results = run(gather(*(collect(engine, Request(p, GREEDY), 0.0) for p in (prompt, prompt, prompt, longer)),
+                             collect(engine, Request(other, GREEDY), 0.0)))
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    first, *copies, extended, apart = results
+    assert first.started.cached_tokens == 0 and first.tokens == alone[PROMPTS[0]]
+    assert all(c.started.cached_tokens == len(prompt) and c.tokens == first.tokens for c in copies)
+    assert extended.started.cached_tokens == len(prompt)
+    assert apart.started.cached_tokens == 0 and apart.tokens == alone[PROMPTS[1]]
+    assert stats["counters"]["prefilled_tokens"] == len(prompt) + (len(longer) - len(prompt)) + len(other)
+
+
 def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
     engine = make_engine(parts)
     tok = parts[1]
