@@ -566,16 +566,19 @@ class Engine:
 
     def _leader(self, row: _Row) -> _Row | None:
         """A row being prefilled whose whole prompt this waiting row's prompt starts with, when no
-        cached prefix would take it as far: the waiting row is admitted once that prompt's state
-        is in the cache (published at its end), instead of prefilling the same tokens beside it
-        (`n` choices of one prompt, a burst of requests with one long system prompt)."""
+        cached prefix or idle slot would take it as far: the waiting row is admitted once that
+        prompt's state is in the cache (published at its end), instead of prefilling the same
+        tokens beside it (`n` choices of one prompt, a burst of requests with one long system
+        prompt)."""
         prompt = row.reused
         for other in self._rows.values():
             n = other.prompt_len
             if (other.slot is None or not other.todo or not self.config.cache_min_tokens <= n <= len(prompt)
                     or other.namespace != row.namespace or list(prompt[:n]) != list(other.request.prompt)):
                 continue
-            if self.cache.longest(row.namespace, prompt) < n:
+            choice = self.slots.choose(row.namespace, prompt)
+            held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0
+            if max(held, self.cache.longest(row.namespace, prompt)) < n:
                 return other
         return None
 
