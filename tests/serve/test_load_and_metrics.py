@@ -68,6 +68,25 @@ def test_metrics_add_up_across_replicas(client):
     assert re.search(rf"^rwkv_slots_capacity {REPLICAS * SLOTS}$", body, re.M)
 
 
+def prefilled(client) -> int:
+    return stats(client)["total"]["counters"].get("prefilled_tokens", 0)
+
+
+def test_a_requests_choices_prefill_their_prompt_once(client, tokenizer):
+    """n choices of one prompt go to one replica (the router's record of the first) and wait there
+    for the first one's state (the engine's rule): the prompt's tokens are prefilled once."""
+    settled_generated(client)
+    prompt = " ".join(f"word{i}" for i in range(150))
+    n_tokens = len(tokenizer.encode(prompt))
+    assert n_tokens > 64
+    before = prefilled(client)
+    body = client.post("/v1/completions", json={"prompt": prompt, "n": 3, "max_tokens": 2, "seed": 5}).json()
+    assert len(body["choices"]) == 3
+    wait_for(lambda: prefilled(client) - before >= n_tokens, what="pushed prefill counts")
+    settled_generated(client)
+    assert prefilled(client) - before == n_tokens
+
+
 async def _one_streamed(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool]:
     """(status, Retry-After, finished properly)."""
     body = {"prompt": f"load {i}", "max_tokens": 48, "stream": True, "ignore_eos": True}
