@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, StrictBool, model_serializer
 
 from replicas.json_schema import schema_error
 from replicas.sampling import MAX_JSON_TEXTS, MAX_LOGPROBS, SamplingParams
@@ -90,7 +90,7 @@ def validation_error(errors: Sequence[dict]) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -121,7 +121,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer, as OpenAI's")
     user: str | None = None
     init_state: str | None = Field(None, description="id or name of a loaded init state to start from")
     top_k: int | None = Field(None, description="RWKV extension: keep the k most likely tokens (0 is off)")

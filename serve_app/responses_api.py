@@ -99,7 +99,7 @@ class ResponseRequest(BaseModel):
     init_state: str | None = Field(None, description="extension: id or name of a loaded init state to start from")
     top_k: int | None = Field(None, description="extension, as in chat completions")
     min_p: float | None = Field(None, description="extension, as in chat completions")
-    seed: int | None = Field(None, description="extension, as in chat completions")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="extension, as in chat completions")
     include: list[str] | None = Field(None, description='"message.output_text.logprobs": each output token\'s '
                                       "log-probability (other values are accepted and ignored)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed a token")
