@@ -80,7 +80,7 @@ def main() -> None:
                     head = tokenizer.encode(f"# {tag}\n{source}")[:args.prompt_tokens]  # new a case
                     prompts = [head + (tokenizer.encode(f"\n# question {i}\n") if shape == "extended" and i else [])
                                for i in range(k)]
-                    engine._leader = leader if waits else (lambda row: None)
+                    engine._leader = leader if waits else (lambda row, prefilling: None)
                     before = engine.snapshot_stats()["counters"].get("prefilled_tokens", 0)
                     first, total = asyncio.run(burst(engine, prompts))
                     prefilled = engine.snapshot_stats()["counters"]["prefilled_tokens"] - before

@@ -540,13 +540,14 @@ class Engine:
         for it (the cache's prefetch), and one whose prompt starts with a prompt being prefilled
         waits for that one's state (_leader), while the rows behind them go ahead."""
         held, reading = [], 0
+        prefilling = [r for r in self._rows.values() if r.slot is not None and self._leads(r)]
         while self._waiting:
             row = self._waiting[0]
             if self.cache.prefetch(row.namespace, row.reused, self._wake):
                 held.append(self._waiting.popleft())
                 reading += 1
                 continue
-            if self._leader(row) is not None:
+            if prefilling and self._leader(row, prefilling) is not None:
                 held.append(self._waiting.popleft())
                 continue
             choice = self.slots.choose(row.namespace, row.reused)
@@ -561,20 +562,26 @@ class Engine:
             row.slot, row.admitted_at = choice.slot, self._steps
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
+            if self._leads(row):
+                prefilling.append(row)
         self._waiting.extendleft(reversed(held))
         self._reading = reading
 
-    def _leader(self, row: _Row) -> _Row | None:
-        """A row being prefilled whose whole prompt this waiting row's prompt starts with, when no
-        cached prefix or idle slot would take it as far: the waiting row is admitted once that
-        prompt's state is in the cache (published at its end), instead of prefilling the same
-        tokens beside it (`n` choices of one prompt, a burst of requests with one long system
-        prompt)."""
+    def _leads(self, row: _Row) -> bool:
+        """Whether rows may wait for this admitted row's prompt: it has tokens of it left, and it
+        will be cached at its end."""
+        return bool(row.todo) and row.prompt_len >= self.config.cache_min_tokens
+
+    def _leader(self, row: _Row, prefilling: list[_Row]) -> _Row | None:
+        """A row of `prefilling` (rows with prompt tokens left, whose prompts will be cached) whose
+        whole prompt this waiting row's prompt starts with, when no cached prefix or idle slot
+        would take it as far: the waiting row is admitted once that prompt's state is in the cache
+        (published at its end), instead of prefilling the same tokens beside it (`n` choices of
+        one prompt, a burst of requests with one long system prompt)."""
         prompt = row.reused
-        for other in self._rows.values():
+        for other in prefilling:
             n = other.prompt_len
-            if (other.slot is None or not other.todo or not self.config.cache_min_tokens <= n <= len(prompt)
-                    or other.namespace != row.namespace or list(prompt[:n]) != list(other.request.prompt)):
+            if n > len(prompt) or other.namespace != row.namespace or list(prompt[:n]) != list(other.request.prompt):
                 continue
             choice = self.slots.choose(row.namespace, prompt)
             held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0

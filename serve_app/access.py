@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Sequence
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
@@ -38,7 +39,7 @@ class Access:
         self._keys: tuple[bytes, ...] = ()
         self.origins: tuple[str, ...] = ()
 
-    def set(self, keys: list[str], origins: list[str] = ()) -> None:
+    def set(self, keys: Sequence[str], origins: Sequence[str] = ()) -> None:
         """These keys, and RWKV_FLEET_API_KEY's where the environment has it; these origins."""
         env = os.environ.get(ENV_VAR, "").strip()
         self._keys = tuple(dict.fromkeys(k.encode() for k in [*keys, env] if k))

@@ -11,6 +11,7 @@ first application's `args` (and `http_options` host and port) are taken.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,6 +144,14 @@ class AppConfig(BaseModel):
         if any(not k.get_secret_value() or k.get_secret_value().split() != [k.get_secret_value()] for k in keys):
             raise ValueError("an API key is empty or holds whitespace")
         return keys
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:  # (a browser's Origin header is scheme://host[:port], no path: one would never match)
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port] (no path), or \"*\"")
+        return origins
 
     @field_validator("model", "states_dir")
     @classmethod

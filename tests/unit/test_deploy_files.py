@@ -48,7 +48,7 @@ def test_rwkv_fleet_serve_reads_serve_config_args():
     AppConfig.model_validate(args)
 
 
-def test_api_keys_from_the_file_and_the_flags(tmp_path):
+def test_api_keys_and_origins_from_the_file_and_the_flags(tmp_path):
     path = tmp_path / "app.yaml"
     path.write_text("api_keys: [sk-file]\n")
     config = load_config(path, api_keys=["sk-flag"])
@@ -57,6 +57,10 @@ def test_api_keys_from_the_file_and_the_flags(tmp_path):
     for bad in ("", "two words"):
         with pytest.raises(ValueError, match="api_keys: an API key is empty or holds whitespace"):
             load_config(None, api_keys=[bad])
+    assert load_config(None, {"cors_allow_origins": ["https://chat.example.com:8443", "*"]}).cors_allow_origins
+    for bad in ("https://chat.example.com/", "chat.example.com"):  # never equal to a browser's Origin header
+        with pytest.raises(ValueError, match="is not an origin"):
+            load_config(None, {"cors_allow_origins": [bad]})
 
 
 def test_deployment_options_follow_the_config():
