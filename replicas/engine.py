@@ -276,6 +276,7 @@ class _Row:
     scores: list[TokenLogprob] | None = None  # the prompt's logprobs so far (SamplingParams.prompt_logprobs)
     cancelled: bool = False
     admitted_at: int = 0  # the engine's step count when the row took its slot
+    followed: bool = False  # waited for another row's prompt (_leader)
 
     @property
     def namespace(self) -> str:
@@ -548,6 +549,7 @@ class Engine:
                 reading += 1
                 continue
             if prefilling and self._leader(row, prefilling) is not None:
+                row.followed = True
                 held.append(self._waiting.popleft())
                 continue
             choice = self.slots.choose(row.namespace, row.reused)
@@ -562,6 +564,7 @@ class Engine:
             row.slot, row.admitted_at = choice.slot, self._steps
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
+            self.stats["followed_prompts"] += row.followed
             if self._leads(row):
                 prefilling.append(row)
         self._waiting.extendleft(reversed(held))

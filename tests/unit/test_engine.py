@@ -211,6 +211,7 @@ def test_requests_that_extend_a_prompt_being_prefilled_wait_for_its_state(parts,
     assert extended.started.cached_tokens == len(prompt)
     assert apart.started.cached_tokens == 0 and apart.tokens == alone[PROMPTS[1]]
     assert stats["counters"]["prefilled_tokens"] == len(prompt) + (len(longer) - len(prompt)) + len(other)
+    assert stats["counters"]["followed_prompts"] == 3
 
 
 def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
