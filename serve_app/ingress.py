@@ -9,8 +9,8 @@ Never touches model state or a GPU.
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
 GET|DELETE /v1/responses/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /v1/models[/{id}],
 GET|POST|DELETE /v1/states, GET /v1/stats, GET /metrics, GET /health; the OpenAPI schema is at
-/openapi.json and /docs. With API keys set, all but the last two, the schema and /metrics want one;
-browsers' cross-origin calls where origins are allowed (serve_app/access.py).
+/openapi.json and /docs. With API keys set, every route but /health, /metrics and the schema wants
+one; browsers may call from the origins allowed (serve_app/access.py).
 """
 
 
