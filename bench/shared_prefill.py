@@ -3,10 +3,11 @@ prompt arriving together), through the engine on the CPU (no Ray): with the engi
 request whose prompt starts with a prompt being prefilled waits for that prompt's state (the
 default), and without it (each prefills the prompt beside the others), side by side in one run.
 
-Each case submits k requests at once: k copies of one prompt of `--prompt-tokens` tokens, or one
-request of it and k - 1 that extend it by a line each (a question after one system prompt); 8 new
-tokens each, seeded. A new prompt a case (nothing cached between cases). Prints the time to the
-last first token, the burst's time, and the prompt tokens prefilled.
+Each case submits k requests at once: k copies of one prompt of `--prompt-tokens` tokens, or k
+prompts that start with it and end with a line of their own (k users' questions after one system
+prompt: the others wait for the first one's state at its last checkpoint within the prompt, every
+512 tokens by default); 8 new tokens each, seeded. A new prompt a case (nothing cached between
+cases). Prints the time to the last first token, the burst's time, and the prompt tokens prefilled.
 
     python bench/shared_prefill.py [--model demo|0.1b] [--prompt-tokens 2000] [--threads 1]
 """
@@ -74,11 +75,11 @@ def main() -> None:
     rows = []
     try:
         for k in BURSTS:
-            for shape in ("copies", "extended"):
+            for shape in ("copies", "questions"):
                 for waits in (True, False):
                     tag = f"{k} {shape}, {'waiting for the prompt' if waits else 'each prefilling'}"
                     head = tokenizer.encode(f"# {tag}\n{source}")[:args.prompt_tokens]  # new a case
-                    prompts = [head + (tokenizer.encode(f"\n# question {i}\n") if shape == "extended" and i else [])
+                    prompts = [head + (tokenizer.encode(f"\n# question {i}\n") if shape == "questions" else [])
                                for i in range(k)]
                     engine._leader = leader if waits else (lambda row, prefilling: None)
                     before = engine.snapshot_stats()["counters"].get("prefilled_tokens", 0)
@@ -96,7 +97,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for i in range(0, len(rows), 2):
         (k, shape, _, f1, t1, p1), (_, _, _, f2, t2, p2) = rows[i], rows[i + 1]
-        print(f"| {k} {'copies of one prompt' if shape == 'copies' else 'extending one prompt'} "
+        print(f"| {k} {'copies of one prompt' if shape == 'copies' else 'questions after one prompt'} "
               f"| {f1 * 1e3:,.0f} / {f2 * 1e3:,.0f} ms ({f2 / f1:.1f}×) | {t1 * 1e3:,.0f} / {t2 * 1e3:,.0f} ms "
               f"| {p1:,} / {p2:,} |")
 

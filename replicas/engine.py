@@ -576,21 +576,34 @@ class Engine:
         return bool(row.todo) and row.prompt_len >= self.config.cache_min_tokens
 
     def _leader(self, row: _Row, prefilling: list[_Row]) -> _Row | None:
-        """A row of `prefilling` (rows with prompt tokens left, whose prompts will be cached) whose
-        whole prompt this waiting row's prompt starts with, when no cached prefix or idle slot
-        would take it as far: the waiting row is admitted once that prompt's state is in the cache
-        (published at its end), instead of prefilling the same tokens beside it (`n` choices of
-        one prompt, a burst of requests with one long system prompt)."""
+        """A row of `prefilling` (rows with prompt tokens left, whose prompts will be cached) that
+        will publish a state of this waiting row's prompt (_shared) further than any cached prefix
+        or idle slot would take it: the waiting row is admitted once that state is in the cache,
+        instead of prefilling the same tokens beside it (`n` choices of one prompt, a burst of
+        requests on one long system prompt)."""
         prompt = row.reused
+        best = None
         for other in prefilling:
-            n = other.prompt_len
-            if n > len(prompt) or other.namespace != row.namespace or list(prompt[:n]) != list(other.request.prompt):
-                continue
-            choice = self.slots.choose(row.namespace, prompt)
-            held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0
-            if max(held, self.cache.longest(row.namespace, prompt)) < n:
-                return other
-        return None
+            at = self._shared(prompt, other) if other.namespace == row.namespace else 0
+            if at >= self.config.cache_min_tokens and at > len(other.consumed) and (best is None or at > best[0]):
+                best = (at, other)
+        if best is None:
+            return None
+        choice = self.slots.choose(row.namespace, prompt)
+        held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0
+        return best[1] if max(held, self.cache.longest(row.namespace, prompt)) < best[0] else None
+
+    def _shared(self, prompt: Sequence[int], other: _Row) -> int:
+        """How far into `prompt` the state that `other` will publish goes: its whole prompt where
+        `prompt` starts with it, else the last of its checkpoints (a state every
+        `checkpoint_interval` tokens) within the prefix the two prompts share; 0: none."""
+        theirs, n = other.request.prompt, other.prompt_len
+        if n <= len(prompt) and list(prompt[:n]) == list(theirs):
+            return n
+        step, at = self.config.checkpoint_interval, 0
+        while at + step < n and at + step <= len(prompt) and list(prompt[at:at + step]) == list(theirs[at:at + step]):
+            at += step
+        return at
 
     def _wake(self) -> None:
         """(any thread) The engine thread goes on if it waits for commands."""

@@ -214,6 +214,30 @@ def test_requests_that_extend_a_prompt_being_prefilled_wait_for_its_state(parts,
     assert stats["counters"]["followed_prompts"] == 3
 
 
+def test_requests_on_one_system_prompt_wait_for_its_checkpoint(parts):
+    """Two requests whose prompts share 70 tokens and then differ (one system prompt, two users'
+    questions): the second waits for the first's state at the last checkpoint within the shared
+    tokens (64: one every 32 here) and prefills from there, with the tokens it gets alone."""
+    tok = parts[1]
+    system = tok.encode("".join(PROMPTS))[:70]
+    first, second = system + tok.encode("# one\n"), system + tok.encode("# two, longer\n")
+    engine = make_engine(parts, max_slots=4, token_chunk_size=8, max_prefill_tokens=16)
+    try:
+        a, b = run(gather(collect(engine, Request(first, GREEDY)), collect(engine, Request(second, GREEDY))))
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    assert a.started.cached_tokens == 0 and b.started.cached_tokens == 64
+    assert stats["counters"]["prefilled_tokens"] == len(first) + len(second) - 64
+    assert stats["counters"]["followed_prompts"] == 1
+    cold = make_engine(parts)
+    try:
+        assert run(collect(cold, Request(second, GREEDY))).tokens == b.tokens
+        settle(cold)
+    finally:
+        cold.stop()
+
+
 def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
     engine = make_engine(parts)
     tok = parts[1]
