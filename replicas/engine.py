@@ -8,7 +8,7 @@ and iterate its events. One step of the loop:
   3. admit waiting requests into free slots: an idle slot whose tokens prefix the prompt
      continues with no reload; else an empty slot; else the least recently used idle slot,
      backed into the prefix cache first; then the cache's longest prefix is loaded (a request
-     whose prompt starts with a prompt being prefilled waits for that one's state first);
+     that shares a prompt being prefilled waits for that one's state of the shared part first);
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call); a row that
@@ -538,8 +538,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Gives waiting rows slots, oldest first; a row whose state is a file being read waits
-        for it (the cache's prefetch), and one whose prompt starts with a prompt being prefilled
-        waits for that one's state (_leader), while the rows behind them go ahead."""
+        for it (the cache's prefetch), and one that shares a prompt being prefilled waits for that
+        one's state of the shared part (_leader), while the rows behind them go ahead."""
         held, reading = [], 0
         prefilling = [r for r in self._rows.values() if r.slot is not None and self._leads(r)]
         while self._waiting:
