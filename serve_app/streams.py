@@ -39,10 +39,20 @@ class ChoiceStreams:
 
     @classmethod
     async def open(cls, replica: DeploymentHandle, requests: Sequence[Request]) -> ChoiceStreams:
-        """Starts every choice; raises ApiError (and cancels the rest) if any is refused."""
-        streams = cls([replica.options(**REPLICA_CALL).generate.remote(r) for r in requests])
+        """Starts every choice; raises ApiError (and cancels the rest) if any is refused. The first
+        starts alone, the others once a replica has accepted it: the router has recorded by then
+        where its prompt went, so that the choices of one prompt follow it there and prefill it
+        once (the engine's wait for a prompt being prefilled; docs/serving.md, "Requests that
+        share a prompt"). Started together, their routings raced that record."""
+        def start(request: Request) -> DeploymentResponseGenerator:
+            return replica.options(**REPLICA_CALL).generate.remote(request)
+
+        streams = cls([start(requests[0])])
         try:
-            firsts = await asyncio.gather(*(_next(call) for call in streams._calls))
+            firsts = [await _next(streams._calls[0])]
+            if len(requests) > 1 and firsts[0] is not None and not firsts[0].error:
+                streams._calls += [start(r) for r in requests[1:]]
+                firsts += await asyncio.gather(*(_next(call) for call in streams._calls[1:]))
         except BaseException:
             streams.cancel()
             raise
