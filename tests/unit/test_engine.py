@@ -88,6 +88,17 @@ def settle(engine: Engine) -> dict:
 PROMPTS = PYTHON_PROMPTS
 
 
+def cold_tokens(parts, prompt: list[int]) -> list[int]:
+    """The greedy tokens of `prompt` in a fresh engine (nothing cached, every slot empty)."""
+    cold = make_engine(parts)
+    try:
+        tokens = run(collect(cold, Request(prompt, GREEDY))).tokens
+        settle(cold)
+    finally:
+        cold.stop()
+    return tokens
+
+
 @pytest.fixture(scope="module")
 def alone(parts):
     """Each prompt's greedy tokens, generated alone in a fresh engine with a cold cache."""
@@ -181,12 +192,7 @@ def test_greedy_is_the_same_on_a_cache_hit_and_on_a_continued_slot(parts, alone)
         assert continued.started.cached_tokens == len(consumed)
     finally:
         engine.stop()
-    cold = make_engine(parts)
-    try:
-        assert run(collect(cold, Request(turn, GREEDY))).tokens == continued.tokens
-        settle(cold)
-    finally:
-        cold.stop()
+    assert cold_tokens(parts, turn) == continued.tokens
 
 
 def test_requests_that_extend_a_prompt_being_prefilled_wait_for_its_state(parts, alone):
@@ -230,12 +236,7 @@ def test_requests_on_one_system_prompt_wait_for_its_checkpoint(parts):
     assert a.started.cached_tokens == 0 and b.started.cached_tokens == 64
     assert stats["counters"]["prefilled_tokens"] == len(first) + len(second) - 64
     assert stats["counters"]["followed_prompts"] == 1
-    cold = make_engine(parts)
-    try:
-        assert run(collect(cold, Request(second, GREEDY))).tokens == b.tokens
-        settle(cold)
-    finally:
-        cold.stop()
+    assert cold_tokens(parts, second) == b.tokens
 
 
 def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
