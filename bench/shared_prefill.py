@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scoring import open_runner  # noqa: E402 (bench/scoring.py, beside this file)
+
 from replicas.engine import Delta, Engine, EngineConfig, Request  # noqa: E402
 from replicas.sampling import SamplingParams  # noqa: E402
 
@@ -55,20 +57,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch's threads (a served CPU replica's: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from replicas.model.loader import default_model_dir, open_model  # noqa: PLC0415
-
-    if args.model == "demo":
-        runner, tokenizer, _ = open_model(default_model_dir(), max_slots=max(BURSTS), device="cpu")
-    else:
-        from replicas.model.checkpoint import WORLD_VOCAB  # noqa: PLC0415
-        from replicas.model.runner import ModelRunner  # noqa: PLC0415
-        from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from gpu import SHAPES, random_model  # noqa: PLC0415 (bench/gpu.py, beside this file)
-
-        runner = ModelRunner(random_model(SHAPES["0.1b"], torch.float32, device="cpu"), max_slots=max(BURSTS))
-        tokenizer = load_tokenizer(WORLD_VOCAB)
+    runner, tokenizer = open_runner(args.model, "cpu", max(BURSTS))
     source = (Path(__file__).resolve().parents[1] / "replicas" / "engine.py").read_text()
     engine = Engine(runner, tokenizer, EngineConfig(max_slots=max(BURSTS), max_waiting=max(BURSTS))).start()
     leader = engine._leader

@@ -715,9 +715,9 @@ class Engine:
         """The chunk's tokens' logprobs (and the top prompt_logprobs alternatives), each by the
         logits before it: the row's last (none before the prompt's first token), then the chunk's
         own but its last. The model's distribution as it is: no temperature, penalty or bias."""
-        before = logits[:-1] if row.logits is None else torch.cat([row.logits[None].to(logits.dtype), logits[:-1]])
+        before = logits[:-1] if row.logits is None else torch.cat([row.logits[None], logits[:-1]])  # (fp32 both)
         scored = chunk[len(chunk) - before.shape[0]:]
-        logprobs = torch.log_softmax(before.float(), dim=-1)
+        logprobs = torch.log_softmax(before, dim=-1)
         index = torch.tensor(scored, dtype=torch.int64, device=logprobs.device)
         chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
         k = row.request.params.prompt_logprobs

@@ -170,21 +170,22 @@ def test_scored_prompts_on_the_gpu_give_the_cpus_logprobs(model_dir):
     config = EngineConfig(max_slots=4, token_chunk_size=256, max_prefill_tokens=512)
     engine, _, _ = EngineProcess.open(model_dir, "cuda", config)
 
-    async def scored(prompt: str):
-        params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    scored, plain = (SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1),
+                     SamplingParams(max_tokens=16, temperature=0.0))
+
+    async def one(prompt: str, params: SamplingParams):
+        """The prompt's scored entries (None when it is not scored), its request run to its end."""
+        entries = None
         async for event in engine.submit(Request(tokenizer.encode(prompt), params)):
             if isinstance(event, Delta) and event.prompt_logprobs:
-                return event.prompt_logprobs
+                entries = event.prompt_logprobs
+        return entries
 
-    async def beside():  # rows that generate meanwhile
-        return [e async for p in PROMPTS[:3] for e in engine.submit(
-            Request(tokenizer.encode(p), SamplingParams(max_tokens=16, temperature=0.0)))]
-
-    async def everything():
-        return await asyncio.gather(*(scored(p) for p in prompts), beside())
+    async def everything():  # the scored prompts, and rows that generate beside them
+        return await asyncio.gather(*(one(p, scored) for p in prompts), *(one(p, plain) for p in PROMPTS[:3]))
 
     try:
-        *entries, _ = asyncio.run(everything())
+        entries = asyncio.run(everything())[:len(prompts)]
         engine.check_integrity()
     finally:
         engine.stop()
