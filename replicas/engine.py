@@ -49,6 +49,7 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 from torch import Tensor
 
+from .histograms import RequestHistograms
 from .init_states import InitState, InitStateError
 from .json_grammar import Constraint, GrammarError, JsonGrammar
 from .model.state import RNNState
@@ -277,6 +278,8 @@ class _Row:
     cancelled: bool = False
     admitted_at: int = 0  # the engine's step count when the row took its slot
     followed: bool = False  # waited for another row's prompt (_leader)
+    arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
+    last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
     @property
     def namespace(self) -> str:
@@ -313,6 +316,7 @@ class Engine:
                      held.entries["disk"], held.bytes["disk"] / 2**30)
         self.init_states: dict[str, InitState] = {}  # by id; replaced whole, so callers may read it
         self.stats: Counter[str] = Counter()
+        self.histograms = RequestHistograms()  # engine thread only
         self._rows: dict[int, _Row] = {}
         self._waiting: deque[_Row] = deque()
         self._reading = 0  # waiting rows whose states' files are being read (_admit)
@@ -562,6 +566,7 @@ class Engine:
             self.slots.occupy(choice.slot, row.uid)
             self.sampler.reset(choice.slot)
             row.slot, row.admitted_at = choice.slot, self._steps
+            self.histograms.queue.observe(time.perf_counter() - row.arrived)
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
             self.stats["followed_prompts"] += row.followed
@@ -794,8 +799,10 @@ class Engine:
                 self._finish(row, "error", f"sampling failed: {err}")
             return
         self.stats["generated_tokens"] += len(rows)
+        now = time.perf_counter()
         for row in rows:
             row.fresh = False
+            self._timed(row, now)
         self._went_on(decoded, {row.uid: token for row, token in zip(rows, out.tokens, strict=True)})
         for row, token, logprob in zip(rows, out.tokens, out.logprobs, strict=True):
             if row.uid not in self._rows:
@@ -804,6 +811,14 @@ class Engine:
             self._deliver(row, Delta(step.text, (token,), None if logprob is None else (logprob,)))
             if step.finish:
                 self._finish(row, step.finish)
+
+    def _timed(self, row: _Row, now: float) -> None:
+        """A token of the row reached the host at `now`: its first, or one after another."""
+        if row.last_token_at:
+            self.histograms.between_tokens.observe(now - row.last_token_at)
+        else:
+            self.histograms.first_token.observe(now - row.arrived)
+        row.last_token_at = now
 
     def _banned(self, rows: list[_Row]) -> list[Tensor | None] | None:
         """Each row's banned tokens (JSON mode), or None when no row has any."""
@@ -852,6 +867,9 @@ class Engine:
         completion = row.output.count
         usage = Usage(row.prompt_len, completion, row.cached_tokens)
         self.stats[f"finished_{reason}"] += 1
+        self.histograms.whole.observe(time.perf_counter() - row.arrived)
+        self.histograms.prompt.observe(row.prompt_len)
+        self.histograms.generated.observe(completion)
         self._deliver(row, Finished(reason, usage, error))
 
     def _reset_quietly(self, slot: int) -> None:
@@ -930,6 +948,7 @@ class Engine:
             "counters": {**self.stats, **(self._json.stats if self._json is not None else {})},
             "cache": self.cache.metrics.as_dict(),
             "init_states": sorted(self.init_states),
+            "histograms": self.histograms.as_dict(),
         }
 
     def _check_integrity(self) -> None:

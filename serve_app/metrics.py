@@ -2,7 +2,8 @@
 
 Owns the shape of GET /v1/stats (per-replica figures and cluster-wide totals) and of GET /metrics
 (Prometheus text format 0.0.4: `rwkv_replica_*{replica="..."}` per replica and `rwkv_*` for the
-cluster). Never touches Ray or the engine: it reads what the registry returns.
+cluster; the engines' request histograms (replicas/histograms.py) as Prometheus histograms, their
+buckets summed for the cluster). Never touches Ray or the engine: it reads what the registry returns.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ _HELP = {
     "cache_disk_drops": "prefix states the disk tier had room for and did not keep (write queue full, write failed)",
 }
 _GAUGE_SUFFIXES = ("_bytes", "_entries")
+_HISTOGRAM_HELP = {
+    "request_queue_seconds": "seconds from a request's arrival at its engine to a slot",
+    "time_to_first_token_seconds": "seconds from a request's arrival at its engine to its first token",
+    "inter_token_seconds": "seconds between two tokens of a request",
+    "request_seconds": "seconds from a request's arrival at its engine to its end (any reason)",
+    "request_prompt_tokens": "prompt tokens of a request",
+    "request_generated_tokens": "tokens a request generated",
+}
 
 
 def stats_view(replicas: dict[str, dict], catalog_version: int, responses: dict[str, int] | None = None) -> dict:
@@ -97,7 +106,32 @@ def prometheus_text(replicas: dict[str, dict], catalog_version: int, responses: 
                   for name, values in flat.items()]
         lines += [f"# HELP rwkv_{key}{suffix} {help_text}, all replicas", f"# TYPE rwkv_{key}{suffix} {kind}",
                   f"rwkv_{key}{suffix} {_number(totals.get(key, 0))}"]
+    lines += _histogram_lines(replicas)
     return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(replicas: dict[str, dict]) -> list[str]:
+    """Each histogram per replica (`rwkv_replica_<name>_bucket{replica=,le=}`, `_sum`, `_count`) and
+    for the cluster (`rwkv_<name>_...`, the replicas' buckets summed)."""
+    per_replica = {name: r["stats"].get("histograms", {}) for name, r in sorted(replicas.items())}
+    totals = sum_stats(per_replica.values())
+    lines = []
+    for key in sorted(totals):
+        help_text = _HISTOGRAM_HELP.get(key, key.replace("_", " "))
+        lines += [f"# HELP rwkv_replica_{key} {help_text}, per replica", f"# TYPE rwkv_replica_{key} histogram"]
+        for name, histograms in per_replica.items():
+            if key in histograms:
+                lines += _histogram(f"rwkv_replica_{key}", histograms[key], f'replica="{_label(name)}",')
+        lines += [f"# HELP rwkv_{key} {help_text}, all replicas", f"# TYPE rwkv_{key} histogram"]
+        lines += _histogram(f"rwkv_{key}", totals[key], "")
+    return lines
+
+
+def _histogram(name: str, histogram: dict, labels: str) -> list[str]:
+    lines = [f'{name}_bucket{{{labels}le="{le}"}} {_number(n)}' for le, n in histogram["buckets"].items()]
+    plain = f"{{{labels[:-1]}}}" if labels else ""
+    return [*lines, f"{name}_sum{plain} {_number(histogram['sum'])}",
+            f"{name}_count{plain} {_number(histogram['count'])}"]
 
 
 def _flatten(stats: dict) -> dict[str, float]:
@@ -105,6 +139,8 @@ def _flatten(stats: dict) -> dict[str, float]:
     {"slots_busy": 1, "submitted": 3, "cache_hits": 2} (counters lose their group name)."""
     flat: dict[str, float] = {}
     for key, value in stats.items():
+        if key == "histograms":
+            continue  # written as histograms (_histogram_lines)
         if isinstance(value, dict):
             prefix = "" if key == "counters" else f"{key}_"
             flat.update({f"{prefix}{k}": v for k, v in _flatten(value).items()})

@@ -67,6 +67,18 @@ def test_metrics_add_up_across_replicas(client):
     assert len(per_replica) == REPLICAS and sum(per_replica) == float(total)
     assert re.search(rf"^rwkv_slots_capacity {REPLICAS * SLOTS}$", body, re.M)
 
+    # the request histograms: every request that ended is counted once, its tokens with it
+    ended = s["total"]["histograms"]["request_seconds"]["count"]
+    assert ended >= 6 and ended == sum(s["total"]["counters"].get(k, 0) for k in s["total"]["counters"]
+                                       if k.startswith("finished_"))
+    generated_hist = s["total"]["histograms"]["request_generated_tokens"]
+    assert generated_hist["sum"] == s["total"]["counters"]["generated_tokens"]
+    assert "# TYPE rwkv_time_to_first_token_seconds histogram" in body
+    counts = [float(v) for v in re.findall(
+        r'^rwkv_replica_request_seconds_bucket\{replica="[^"]+",le="\+Inf"\} (\S+)$', body, re.M)]
+    (count,) = re.findall(r"^rwkv_request_seconds_count (\S+)$", body, re.M)
+    assert len(counts) == REPLICAS and sum(counts) == float(count) >= 6
+
 
 def prefilled(client) -> int:
     return stats(client)["total"]["counters"].get("prefilled_tokens", 0)

@@ -12,6 +12,7 @@ import pytest
 from replicas.deployment import Chunk, Replica, ReplicaConfig, coalesce
 from replicas.engine import Delta, Finished, Request, RequestStream, Started, Usage, put_all
 from replicas.engine_process import GIL_SWITCH_INTERVAL_S
+from replicas.histograms import RequestHistograms
 from replicas.sampling import SamplingParams
 from serve_app.chat import LeadingSpace
 from serve_app.metrics import prometheus_text, stats_view, sum_stats
@@ -152,6 +153,36 @@ def test_metrics_text_has_each_replica_and_the_totals():
     assert view["total"]["cache"]["hits"] == 3 and view["replicas"]["a"]["acked_version"] == 5
     assert view["stored_responses"] == {"stored": 3}
     assert sum_stats([{"x": 1, "l": [1]}, {"x": 2}]) == {"x": 3}
+
+
+def test_histograms_are_written_per_replica_and_summed_for_the_cluster():
+    a, b = RequestHistograms(), RequestHistograms()
+    for seconds in (0.003, 0.2, 7.0):
+        a.first_token.observe(seconds)
+    b.first_token.observe(0.2)
+    b.prompt.observe(100)
+    pushed = {name: {"stats": {"counters": {"submitted": 1}, "histograms": h.as_dict()}, "acked_version": 1, "age_s": 0}
+              for name, h in (("a", a), ("b", b))}
+    text = prometheus_text(pushed, 1)
+    assert "# TYPE rwkv_time_to_first_token_seconds histogram" in text
+    assert "# TYPE rwkv_replica_request_prompt_tokens histogram" in text
+    assert 'rwkv_replica_time_to_first_token_seconds_bucket{replica="a",le="0.005"} 1' in text
+    assert 'rwkv_replica_time_to_first_token_seconds_bucket{replica="a",le="0.25"} 2' in text
+    assert 'rwkv_replica_time_to_first_token_seconds_bucket{replica="a",le="+Inf"} 3' in text
+    assert 'rwkv_time_to_first_token_seconds_bucket{le="0.25"} 3' in text  # a's two and b's one
+    assert 'rwkv_time_to_first_token_seconds_bucket{le="+Inf"} 4' in text
+    assert "rwkv_time_to_first_token_seconds_count 4" in text
+    assert 'rwkv_replica_time_to_first_token_seconds_count{replica="b"} 1' in text
+    (total,) = re.findall(r"^rwkv_time_to_first_token_seconds_sum (\S+)$", text, re.M)
+    assert float(total) == pytest.approx(7.403)
+    assert 'rwkv_request_prompt_tokens_bucket{le="64"} 0' not in text  # bounds of tokens are written as floats
+    assert 'rwkv_request_prompt_tokens_bucket{le="256.0"} 1' in text
+    assert "histograms" not in "".join(re.findall(r"^rwkv_\S+", text, re.M))  # not flattened into counters
+    for line in text.splitlines():
+        assert line.startswith("#") or re.fullmatch(
+            r'[a-z_]+(\{(replica="[^"]+",?)?(le="[^"]+")?\})? -?[0-9.e+]+', line), line
+    view = stats_view(pushed, 1)
+    assert view["total"]["histograms"]["time_to_first_token_seconds"]["buckets"]["1.0"] == 3
 
 
 def test_usage_counts_a_prompt_once_for_its_n_choices():

@@ -672,6 +672,39 @@ def test_logprobs_and_usage(parts):
         engine.stop()
 
 
+def test_histograms_time_each_request_and_count_its_tokens(parts):
+    """One slot, three requests at once: the second and third wait for it (queue time), each
+    token but a request's first is an inter-token time, and the lengths are counted."""
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=1)
+    lengths = [12, 5, 1]
+    try:
+        async def timed(prompt: str, n: int) -> tuple[Result, float]:
+            started = time.perf_counter()
+            result = await collect(engine, Request(tok.encode(prompt), SamplingParams(max_tokens=n, temperature=0.0,
+                                                                                      ignore_eos=True)))
+            return result, time.perf_counter() - started
+
+        results = run(gather(*(timed(p, n) for p, n in zip(PROMPTS, lengths, strict=False))))
+        h = settle(engine)["histograms"]
+        assert [r.finished.usage.completion_tokens for r, _ in results] == lengths
+        prompts = [len(tok.encode(p)) for p in PROMPTS[:3]]
+        assert h["request_prompt_tokens"]["count"] == 3 and h["request_prompt_tokens"]["sum"] == sum(prompts)
+        assert h["request_generated_tokens"]["sum"] == sum(lengths)
+        assert h["request_queue_seconds"]["count"] == h["time_to_first_token_seconds"]["count"] == 3
+        assert h["inter_token_seconds"]["count"] == sum(lengths) - 3
+        assert h["request_seconds"]["count"] == 3
+        # the first holds the slot for its whole time: the second waits about that long (the caller
+        # measured the first from its submit to its end, which includes the events' delivery)
+        first_wall = results[0][1]
+        assert h["request_queue_seconds"]["sum"] > 0.7 * first_wall
+        assert h["time_to_first_token_seconds"]["sum"] < h["request_seconds"]["sum"] <= sum(w for _, w in results)
+        buckets = h["time_to_first_token_seconds"]["buckets"]
+        assert list(buckets.values()) == sorted(buckets.values()) and buckets["+Inf"] == 3
+    finally:
+        engine.stop()
+
+
 def _reference_logprobs(parts, tokens: list[int], state: RNNState | None = None) -> torch.Tensor:
     """log_softmax of the model's logits after each token, fed at once from `state` (zeros)."""
     from replicas.model.rwkv7 import Rows
