@@ -33,7 +33,12 @@ MAX_JSON_TEXTS = 8  # JSON texts one reply may hold (parallel tool calls)
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses before it runs; the message is for the client (HTTP 400)."""
+    """A request the engine refuses before it runs; the message is for the client (HTTP 400), and
+    `param` the request's field it names, where one does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -71,34 +76,37 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int) -> None:
-        """Raises InvalidRequest naming the first bad field."""
+        """Raises InvalidRequest naming the first bad field (its `param`: the field as a request names it)."""
         checks = [
-            (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1),
+            (self.max_tokens >= (0 if self.prompt_logprobs is not None else 1), "max_tokens",
              "max_tokens must be at least 1 (0 only with the prompt's logprobs)"),
-            (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be 0 (off) or positive"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
-            (0.0 < self.penalty_decay <= 1.0, "penalty_decay must be in (0, 1]"),
-            (len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
-            (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids out of vocabulary"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be 0 (off) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be between 0 and 1"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
+            (0.0 < self.penalty_decay <= 1.0, "penalty_decay", "penalty_decay must be in (0, 1]"),
+            (len(self.stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} stop strings"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids out of vocabulary"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "top_logprobs",
              f"top_logprobs must be between 0 and {MAX_LOGPROBS}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}"),
-            (all(0 <= int(t) < vocab_size for t in self.logit_bias), "logit_bias names a token out of vocabulary"),
-            (all(-100.0 <= float(b) <= 100.0 for b in self.logit_bias.values()),
+            (all(0 <= int(t) < vocab_size for t in self.logit_bias), "logit_bias",
+             "logit_bias names a token out of vocabulary"),
+            (all(-100.0 <= float(b) <= 100.0 for b in self.logit_bias.values()), "logit_bias",
              "logit_bias values must be between -100 and 100"),
-            (1 <= self.json_texts <= MAX_JSON_TEXTS, f"json_texts must be between 1 and {MAX_JSON_TEXTS}"),
+            (1 <= self.json_texts <= MAX_JSON_TEXTS, "json_texts",
+             f"json_texts must be between 1 and {MAX_JSON_TEXTS}"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise InvalidRequest(message)
+                raise InvalidRequest(message, param)
         if self.json_schema is not None and (error := schema_error(self.json_schema)):
-            raise InvalidRequest(f"json_schema: {error}")
+            raise InvalidRequest(f"json_schema: {error}", "response_format")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def sampling_params_checked(body, max_tokens: int, extra_stop: list[str], logpro
     try:
         params.validate(vocab)
     except InvalidRequest as err:
-        raise ApiError(400, str(err)) from None
+        raise ApiError(400, str(err), param=err.param) from None
     return params
 
 
