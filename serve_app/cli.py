@@ -1,4 +1,4 @@
-"""The `rwkv-fleet` command: serve | generate | convert.
+"""The `rwkv-fleet` command: serve | batch | generate | convert.
 
 Every failure a user can cause ends as one line on stderr and a non-zero exit, never a traceback.
 """
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +23,40 @@ class CliError(Exception):
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+class StopOnSignal:
+    """Ctrl-C or SIGTERM asks to stop (once), once `install`ed; a second Ctrl-C interrupts at once."""
+
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self._event.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self._event.set()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        # Event.wait without a timeout cannot be interrupted by a signal handler on some platforms.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.is_set():
+            left = self.POLL_S if deadline is None else min(self.POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            self._event.wait(left)
+        return self._event.is_set()
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -100,6 +137,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def cmd_batch(args: argparse.Namespace) -> None:
+    from serve_app.batch import run_command  # noqa: PLC0415
+
+    run_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rwkv-fleet", description="Serve RWKV-7 models on Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a key requests must bear as Authorization: Bearer KEY (repeatable; added to the config's "
                             "api_keys; RWKV_FLEET_API_KEY in the environment is one too)")
     serve.set_defaults(run=cmd_serve)
+
+    batch = sub.add_parser("batch", help="run a file of requests (OpenAI's batch format) through the API")
+    batch.add_argument("input", help="JSONL: {custom_id, method: POST, url: /v1/completions, /v1/chat/completions "
+                                     "or /v1/responses, body} a line")
+    batch.add_argument("output", help="JSONL to write: {id, custom_id, response: {status_code, request_id, body}, "
+                                      "error} a line, as the requests end")
+    batch.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); default: start one here, "
+                                     "with --model, --config, --port and --replicas as `serve` takes them")
+    batch.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default 32)")
+    batch.add_argument("--resume", action="store_true", help="go on from an output file an earlier run left: "
+                                                             "send only the requests it has no line for")
+    batch.add_argument("--api-key", help="the server's key (default: RWKV_FLEET_API_KEY, or the config's)")
+    batch.add_argument("--model", help="with no --url: model directory (default: the embedded demo model)")
+    batch.add_argument("--config", help="with no --url: a YAML/JSON app config file")
+    batch.add_argument("--port", type=int, help="with no --url: HTTP port (default 8000)")
+    batch.add_argument("--replicas", type=int, help="with no --url: number of model replicas")
+    batch.set_defaults(run=cmd_batch, api_keys=None)
     return parser
 
 

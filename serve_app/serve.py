@@ -4,6 +4,8 @@ Owns the lifecycle of one interactive server: starting Ray and Serve, deploying 
 and showing its replicas come up while the model loads, printing where it listens, and on
 Ctrl-C (or SIGTERM) removing what it started — Serve and Ray for a local Ray, only its own
 application and registry on a cluster it joined — and returning normally. Never touches requests.
+`rwkv-fleet batch` without `--url` runs its requests on a server started the same way
+(`local_server`).
 """
 
 from __future__ import annotations
@@ -13,24 +15,41 @@ import asyncio
 import logging
 import math
 import os
-import signal
 import sys
-import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from .access import ENV_VAR
 from .app import APP_NAME, build_app, start_serve
-from .cli import CliError
+from .cli import CliError, StopOnSignal
 from .config import AppConfig, load_config
 
 POLL_S = 0.5
 
 
 def serve(args: argparse.Namespace) -> None:
+    with local_server(args) as server:
+        if server.url is not None:
+            _say_ready(server.url, server.api_key is not None)
+            server.stop.wait()
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    url: str | None  # None: Ctrl-C came before the app ran
+    stop: StopOnSignal  # set by Ctrl-C or SIGTERM
+    api_key: str | None  # one of the keys requests must bear, if any
+
+
+@contextmanager
+def local_server(args: argparse.Namespace) -> Iterator[LocalServer]:
+    """The app of `args` (--model, --config, --port, --replicas, --api-key) served until the block ends."""
     config = load_config(args.config, {"model": args.model, "port": args.port, "replicas": args.replicas},
                          api_keys=args.api_keys or [])
+    keys = [key.get_secret_value() for key in config.api_keys] + [os.environ.get(ENV_VAR, "").strip()]
     _check_model(config)
-    stop = _StopOnSignal()
+    stop = StopOnSignal()
     import ray  # noqa: PLC0415 - slow to import: only after the arguments are known good
     from ray import serve as ray_serve  # noqa: PLC0415
 
@@ -43,9 +62,9 @@ def serve(args: argparse.Namespace) -> None:
         start_serve(config.host, config.port)
         ray_serve.run_many([ray_serve.RunTarget(build_app(config), name=APP_NAME, route_prefix="/")],
                            wait_for_applications_running=False)
-        if _wait_running(ray_serve, stop):
-            _say_ready(config)
-            stop.wait()
+        running = _wait_running(ray_serve, stop)
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        yield LocalServer(f"http://{host}:{config.port}" if running else None, stop, next(filter(None, keys), None))
         _say("stopping ...")
     finally:
         _teardown(ray, ray_serve)
@@ -79,7 +98,7 @@ def _local_cpus(config: AppConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(replicas * config.num_cpus) + 1)
 
 
-def _wait_running(ray_serve, stop: _StopOnSignal) -> bool:
+def _wait_running(ray_serve, stop: StopOnSignal) -> bool:
     """Shows the replicas' progress until the app runs (True), fails (CliError) or Ctrl-C (False)."""
     last = None
     while not stop.is_set():
@@ -107,10 +126,7 @@ def _progress(app) -> str:
             f"({', '.join(f'{k.lower()} {v}' for k, v in sorted(states.items()) if k != 'RUNNING') or 'starting'})")
 
 
-def _say_ready(config: AppConfig) -> None:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    url = f"http://{host}:{config.port}"
-    keyed = config.api_keys or os.environ.get(ENV_VAR, "").strip()
+def _say_ready(url: str, keyed: bool) -> None:
     _say(f"\nrwkv-fleet is serving at {url}/v1 (OpenAI-compatible; API docs at {url}/docs). Ctrl-C stops it.\n"
          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
          + ("    -H \"Authorization: Bearer $KEY\" \\\n" if keyed else "") +
@@ -134,32 +150,3 @@ def _first_line(message: str) -> str:
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-class _StopOnSignal:
-    """Ctrl-C or SIGTERM asks to stop (once); a second Ctrl-C interrupts at once."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self._event.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        # Event.wait without a timeout cannot be interrupted by a signal handler on some platforms.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._event.is_set():
-            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if left <= 0:
-                break
-            self._event.wait(left)
-        return self._event.is_set()

@@ -146,3 +146,30 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("serve", "--config", str(bad)), "engine.disk_cache_dir")
     usage = cli("generate", "--max-tokens", "many", "x")
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
+
+
+def test_batch_refuses_bad_files_in_one_line_before_sending_anything(tmp_path):
+    def batch_file(*lines: str) -> str:
+        path = tmp_path / "in.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    good = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}'
+    out = str(tmp_path / "out.jsonl")
+    unreachable = ("--url", "http://127.0.0.1:9")  # (nothing is sent: each file is refused first)
+    refused(cli("batch", batch_file(good, "{nope"), out, *unreachable), "in.jsonl line 2: not JSON")
+    refused(cli("batch", batch_file(good, good), out, *unreachable), "line 2: custom_id 'a' is used twice")
+    refused(cli("batch", batch_file(good.replace("/v1/completions", "/v1/embeddings")), out, *unreachable),
+            "line 1: url must be one of /v1/completions")
+    refused(cli("batch", batch_file(good.replace('"POST"', '"GET"')), out, *unreachable), "method must be POST")
+    refused(cli("batch", batch_file(good.replace('"x"}', '"x", "stream": true}')), out, *unreachable), "cannot stream")
+    refused(cli("batch", batch_file(good.replace('"a"', "3")), out, *unreachable), "custom_id must be a non-empty")
+    refused(cli("batch", batch_file(""), out, *unreachable), "no requests")
+    refused(cli("batch", str(tmp_path / "none.jsonl"), out, *unreachable), "No such file")
+    refused(cli("batch", batch_file(good), out, "--url", "ftp://host"), "an http:// or https:// address")
+    refused(cli("batch", batch_file(good), out, *unreachable), "cannot reach http://127.0.0.1:9")
+    refused(cli("batch", batch_file(good), out, *unreachable, "--concurrency", "0"), "--concurrency")
+    refused(cli("batch", batch_file(good), out, *unreachable, "--model", "m"), "--model: for a server started here")
+    refused(cli("batch", batch_file(good), str(tmp_path / "no" / "out.jsonl"), *unreachable), "no such directory")
+    Path(out).write_text("")
+    refused(cli("batch", batch_file(good), out, *unreachable), "out.jsonl exists: --resume goes on from it")
