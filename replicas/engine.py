@@ -5,10 +5,11 @@ and iterate its events. One step of the loop:
 
   1. take what callers sent (new requests, cancellations, init-state changes);
   2. end the rows whose caller left;
-  3. admit waiting requests into free slots: an idle slot whose tokens prefix the prompt
-     continues with no reload; else an empty slot; else the least recently used idle slot,
-     backed into the prefix cache first; then the cache's longest prefix is loaded (a request
-     that shares a prompt being prefilled waits for that one's state of the shared part first);
+  3. admit waiting requests (by priority, then in order of arrival) into free slots: an idle
+     slot whose tokens prefix the prompt continues with no reload; else an empty slot; else the
+     least recently used idle slot, backed into the prefix cache first; then the cache's longest
+     prefix is loaded (a request that shares a prompt being prefilled waits for that one's state
+     of the shared part first);
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
      wait up to `prefill_every` steps, so that prompts of nearby steps share one call); a row that
@@ -118,6 +119,7 @@ class Request:
     prompt: Sequence[int]
     params: SamplingParams = SamplingParams()
     init_state: str | None = None  # id or name of a loaded init state; None: the default one
+    priority: int = 0  # a lower number is admitted first; requests of one priority in their order
 
 
 @dataclass(frozen=True)
@@ -518,7 +520,7 @@ class Engine:
         if kind == "submit":
             row = command[1]
             self._rows[row.uid] = row
-            self._waiting.append(row)
+            self._queue(row)
             self.stats["submitted"] += 1
             self.stats["json_mode_requests"] += row.output.constraint is not None
         elif kind == "cancel" and command[1] in self._rows:
@@ -529,6 +531,14 @@ class Engine:
                 future.set_result(fn())
             except Exception as err:
                 future.set_exception(err)
+
+    def _queue(self, row: _Row) -> None:
+        """Into the waiting queue behind every row of its priority or a more urgent one, ahead of
+        the rest (a request already admitted keeps its slot: none is preempted)."""
+        at = len(self._waiting)
+        while at and self._waiting[at - 1].request.priority > row.request.priority:
+            at -= 1
+        self._waiting.insert(at, row)
 
     def _step(self) -> None:
         self._steps += 1

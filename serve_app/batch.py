@@ -267,6 +267,8 @@ def run_command(args) -> None:
     if not out.parent.is_dir():
         raise CliError(f"{out.parent}: no such directory")
     lines = read_batch(source)
+    if args.priority is not None:
+        lines = [BatchLine(line.custom_id, line.url, {"priority": args.priority, **line.body}) for line in lines]
     if out.exists() and not args.resume:
         raise CliError(f"{out} exists: --resume goes on from it, or name another file")
     done = resume_from(out) if out.exists() else set()

@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--resume", action="store_true", help="go on from an output file an earlier run left: "
                                                              "send only the requests it has no line for")
     batch.add_argument("--api-key", help="the server's key (default: RWKV_FLEET_API_KEY, or the config's)")
+    batch.add_argument("--priority", type=int, help="the priority of each request whose body sets none (a lower "
+                                                    "number is served first; interactive requests have 0)")
     batch.add_argument("--model", help="with no --url: model directory (default: the embedded demo model)")
     batch.add_argument("--config", help="with no --url: a YAML/JSON app config file")
     batch.add_argument("--port", type=int, help="with no --url: HTTP port (default 8000)")

@@ -177,7 +177,7 @@ class Ingress:
         max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
         params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size,
                                          body.prompt_logprobs)
-        requests, prompt_of = self._requests(prompts, body.n, params, body.init_state)
+        requests, prompt_of = self._requests(prompts, body.n, params, body.init_state, body.priority)
         echo = [self.tokenizer.decode(prompts[p]) for p in prompt_of] if body.echo else []
         fmt = CompletionFormat(self.model_name, len(requests), body.logprobs, echo)
         return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
@@ -242,7 +242,7 @@ class Ingress:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop = [] if body.json_mode else self.config.chat.stop  # (a JSON reply ends where its object closes)
         params = sampling_params_checked(body, max_tokens, stop, logprobs, self.model_config.vocab_size)
-        requests, prompt_of = self._requests([prompt], body.n, params, body.init_state)
+        requests, prompt_of = self._requests([prompt], body.n, params, body.init_state, body.priority)
         fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,
                          or_text=body.tool_auto)
         return fmt, requests, prompt_of
@@ -256,7 +256,7 @@ class Ingress:
         return JSONResponse(fmt.body(outcomes, usage_of(outcomes, prompt_of)).model_dump(mode="json"))
 
     def _requests(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                  init_state: str | None) -> tuple[list[EngineRequest], list[int]]:
+                  init_state: str | None, priority: int) -> tuple[list[EngineRequest], list[int]]:
         """n engine requests per prompt (seeded choices get seeds seed, seed+1, ...), and each one's prompt."""
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"prompts × n is at most {MAX_CHOICES}", param="n")
@@ -265,7 +265,7 @@ class Ingress:
             self._check_prompt(prompt)
             for j in range(n):
                 seeded = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
-                requests.append(EngineRequest(prompt, seeded, init_state))
+                requests.append(EngineRequest(prompt, seeded, init_state, priority))
                 prompt_of.append(p)
         return requests, prompt_of
 

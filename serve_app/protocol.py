@@ -6,8 +6,8 @@ and the mapping from request fields to the engine's `SamplingParams`. Never touc
 model or Ray.
 
 RWKV extensions to the request (all optional): `init_state` (the id or name of a loaded init
-state to start from), `top_k`, `min_p` (vLLM's), `penalty_decay`, `stop_token_ids`, `ignore_eos`;
-and chat's `response_format` on completions too.
+state to start from), `top_k`, `min_p` and `priority` (vLLM's), `penalty_decay`, `stop_token_ids`,
+`ignore_eos`; and chat's `response_format` on completions too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, model_serializer
+from pydantic import BaseModel, Field, StrictBool, StrictInt, model_serializer
 
 from replicas.json_schema import schema_error
 from replicas.sampling import MAX_JSON_TEXTS, MAX_LOGPROBS, SamplingParams
@@ -124,6 +124,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer, as OpenAI's")
     user: str | None = None
     init_state: str | None = Field(None, description="id or name of a loaded init state to start from")
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="extension (vLLM's): a lower number is "
+                                "admitted to a slot first on its replica; default 0")
     top_k: int | None = Field(None, description="RWKV extension: keep the k most likely tokens (0 is off)")
     min_p: float | None = Field(None, description="extension (vLLM's): keep the tokens at least min_p times as "
                                 "likely as the best (0 is off)")

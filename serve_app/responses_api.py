@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from replicas.json_schema import schema_error
 from replicas.sampling import MAX_LOGPROBS
@@ -97,6 +97,7 @@ class ResponseRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     init_state: str | None = Field(None, description="extension: id or name of a loaded init state to start from")
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="extension, as in chat completions")
     top_k: int | None = Field(None, description="extension, as in chat completions")
     min_p: float | None = Field(None, description="extension, as in chat completions")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="extension, as in chat completions")
@@ -118,7 +119,7 @@ def chat_request(req: ResponseRequest, max_tokens: int, conversation: list[dict[
         "messages": instructions + conversation, "stream": req.stream,
         "max_tokens": req.max_output_tokens if req.max_output_tokens is not None else max_tokens,
         **req.model_dump(include={"model", "temperature", "top_p", "parallel_tool_calls", "user", "init_state",
-                                  "top_k", "min_p", "seed"}, exclude_none=True),
+                                  "priority", "top_k", "min_p", "seed"}, exclude_none=True),
     }
     if req.logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)

@@ -74,10 +74,11 @@ def test_a_batch_file_gets_each_answer_once_and_goes_on_after_an_interruption(tm
     (tmp_path / "out.jsonl").write_text("".join(kept[:5]) + kept[5][: len(kept[5]) // 2])
     refused = run_batch(tmp_path, base_url)
     assert refused.returncode == 1 and "exists: --resume" in refused.stderr
-    resumed = run_batch(tmp_path, base_url, "--resume")
+    resumed = run_batch(tmp_path, base_url, "--resume", "--priority", "3")  # (the bodies take it: 200s)
     assert resumed.returncode == 0, resumed.stderr
     assert f"5 of {N + 1} requests are in" in resumed.stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(o["custom_id"] for o in out) == sorted(line["custom_id"] for line in lines)
+    assert sum(o["response"]["status_code"] == 200 for o in out) == N
     again = run_batch(tmp_path, base_url, "--resume")
     assert again.returncode == 0 and "nothing left to send" in again.stderr

@@ -200,6 +200,15 @@ def test_logit_bias_and_seed(client):
     assert one == two
 
 
+def test_a_priority_is_taken_on_every_route(client):
+    assert complete(client, prompt="x", max_tokens=2, priority=-5)["usage"]["completion_tokens"] == 2
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2, "priority": 7})
+    assert chat.status_code == 200, chat.text
+    response = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "priority": -1})
+    assert response.status_code == 200, response.text
+
+
 def test_logprobs_in_both_shapes(client):
     body = complete(client, prompt="Hello", max_tokens=4, logprobs=2)
     lp = body["choices"][0]["logprobs"]
@@ -215,7 +224,11 @@ def test_logprobs_in_both_shapes(client):
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": 3}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "x", "temperature": 5}, 400, None),
+    ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "priority": "high"}, 400, "priority"),
+    ({"prompt": "x", "priority": True}, 400, "priority"),
+    ({"prompt": "x", "priority": 2**31}, 400, "priority"),
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"prompt": [70000]}, 400, "prompt"),

@@ -705,6 +705,32 @@ def test_histograms_time_each_request_and_count_its_tokens(parts):
         engine.stop()
 
 
+def test_a_more_urgent_request_takes_the_next_free_slot(parts):
+    """One slot, held; three requests of priority 0 wait, then one of priority -1 comes: it is
+    admitted first, and those of one priority keep their order."""
+    tok = parts[1]
+    engine = make_engine(parts, max_slots=1)
+    try:
+        async def scenario() -> list[str]:
+            order: list[str] = []
+
+            async def one(name: str, priority: int, delay: float) -> None:
+                await asyncio.sleep(delay)  # (the holder's 200 tokens take about a second)
+                params = SamplingParams(max_tokens=200 if name == "holder" else 4, temperature=0.0, ignore_eos=True)
+                async for event in engine.generate(Request(tok.encode(f"# {name}\n"), params, priority=priority)):
+                    if isinstance(event, Started):
+                        order.append(name)
+
+            await gather(one("holder", 0, 0), one("a", 0, 0.01), one("b", 0, 0.02), one("c", 0, 0.03),
+                         one("urgent", -1, 0.04), one("later", 5, 0.05), one("d", 0, 0.06))
+            return order
+
+        assert run(scenario()) == ["holder", "urgent", "a", "b", "c", "d", "later"]
+        settle(engine)
+    finally:
+        engine.stop()
+
+
 def _reference_logprobs(parts, tokens: list[int], state: RNNState | None = None) -> torch.Tensor:
     """log_softmax of the model's logits after each token, fed at once from `state` (zeros)."""
     from replicas.model.rwkv7 import Rows
