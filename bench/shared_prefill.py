@@ -5,8 +5,8 @@ default), and without it (each prefills the prompt beside the others), side by s
 
 Each case submits k requests at once: k copies of one prompt of `--prompt-tokens` tokens, or k
 prompts that start with it and end with a line of their own (k users' questions after one system
-prompt: the others wait for the first one's state at its last checkpoint within the prompt, every
-512 tokens by default); 8 new tokens each, seeded. A new prompt a case (nothing cached between
+prompt: the others wait for the first one's state where their prompts part from its, which it
+publishes there); 8 new tokens each, seeded. A new prompt a case (nothing cached between
 cases). Prints the time to the last first token, the burst's time, and the prompt tokens prefilled.
 
     python bench/shared_prefill.py [--model demo|0.1b] [--prompt-tokens 2000] [--threads 1]

@@ -11,8 +11,9 @@ and iterate its events. One step of the loop:
      prefix is loaded (a request that shares a prompt being prefilled waits for that one's state
      of the shared part first);
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
-     a cache checkpoint boundary) and run them on the runner (while rows decode, new prompts may
-     wait up to `prefill_every` steps, so that prompts of nearby steps share one call); a row that
+     a cache checkpoint boundary, or where a waiting row's prompt parts from the row's) and run
+     them on the runner (while rows decode, new prompts may wait up to `prefill_every` steps, so
+     that prompts of nearby steps share one call); a row that
      scores its prompt (`prompt_logprobs`) starts from its start, never from a cached state, and
      its chunks take a call of their own that gives the logits after every token;
   5. sample every row that has fresh logits (a row in JSON mode from the tokens its JSON allows
@@ -280,6 +281,7 @@ class _Row:
     cancelled: bool = False
     admitted_at: int = 0  # the engine's step count when the row took its slot
     followed: bool = False  # waited for another row's prompt (_leader)
+    publish_at: set[int] = field(default_factory=set)  # prompt lengths whose states rows wait for (_leader)
     arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
@@ -591,11 +593,12 @@ class Engine:
         return bool(row.todo) and row.prompt_len >= self.config.cache_min_tokens
 
     def _leader(self, row: _Row, prefilling: list[_Row]) -> _Row | None:
-        """A row of `prefilling` (rows with prompt tokens left, whose prompts will be cached) that
-        will publish a state of this waiting row's prompt (_shared) further than any cached prefix
-        or idle slot would take it: the waiting row is admitted once that state is in the cache,
-        instead of prefilling the same tokens beside it (`n` choices of one prompt, a burst of
-        requests on one long system prompt)."""
+        """A row of `prefilling` (rows with prompt tokens left, whose prompts will be cached) whose
+        prompt shares a prefix with this waiting row's, not yet prefilled, longer than any cached
+        prefix or idle slot would take it: the leader publishes its state at the prefix's end
+        (`publish_at`), and the waiting row is admitted once that state is in the cache, instead of
+        prefilling the same tokens beside it (`n` choices of one prompt, a burst of users'
+        questions after one long system prompt)."""
         prompt = row.reused
         best = None
         for other in prefilling:
@@ -606,19 +609,16 @@ class Engine:
             return None
         choice = self.slots.choose(row.namespace, prompt)
         held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0
-        return best[1] if max(held, self.cache.longest(row.namespace, prompt)) < best[0] else None
+        if max(held, self.cache.longest(row.namespace, prompt)) >= best[0]:
+            return None
+        at, leader = best
+        leader.publish_at.add(at)
+        return leader
 
     def _shared(self, prompt: Sequence[int], other: _Row) -> int:
-        """How far into `prompt` the state that `other` will publish goes: its whole prompt where
-        `prompt` starts with it, else the last of its checkpoints (a state every
-        `checkpoint_interval` tokens) within the prefix the two prompts share; 0: none."""
-        theirs, n = other.request.prompt, other.prompt_len
-        if n <= len(prompt) and list(prompt[:n]) == list(theirs):
-            return n
-        step, at = self.config.checkpoint_interval, 0
-        while at + step < n and at + step <= len(prompt) and list(prompt[at:at + step]) == list(theirs[at:at + step]):
-            at += step
-        return at
+        """How long a prefix `prompt` shares with `other`'s prompt (its whole prompt at most): the
+        state `other` will publish for a row of `prompt`."""
+        return _common_prefix(prompt, other.request.prompt)
 
     def _wake(self) -> None:
         """(any thread) The engine thread goes on if it waits for commands."""
@@ -667,8 +667,10 @@ class Engine:
         for row in ready:
             if budget == 0:
                 break
-            to_checkpoint = self.config.checkpoint_interval - len(row.consumed) % self.config.checkpoint_interval
-            n = min(len(row.todo), self.config.token_chunk_size, budget, to_checkpoint)
+            done = len(row.consumed)
+            to_checkpoint = self.config.checkpoint_interval - done % self.config.checkpoint_interval
+            to_publish = min((at - done for at in row.publish_at if at > done), default=to_checkpoint)
+            n = min(len(row.todo), self.config.token_chunk_size, budget, to_checkpoint, to_publish)
             plan.append((row, row.todo[:n]))
             budget -= n
         return plan
@@ -713,7 +715,7 @@ class Engine:
             row.logits = row_logits
             self.stats["prefilled_tokens"] += len(chunk)
             at_checkpoint = len(row.consumed) % self.config.checkpoint_interval == 0
-            if not row.todo or at_checkpoint:
+            if not row.todo or at_checkpoint or len(row.consumed) in row.publish_at:
                 self._publish(row)
             if row.todo:
                 continue
@@ -976,6 +978,17 @@ class Engine:
 
 def _namespace(init: InitState | None) -> str:
     return init.namespace if init else ZERO_NAMESPACE
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists (compared a block at a time)."""
+    n, block, at = min(len(a), len(b)), 256, 0
+    while at < n:
+        end = min(at + block, n)
+        if list(a[at:end]) != list(b[at:end]):
+            return at + next(i for i, (x, y) in enumerate(zip(a[at:end], b[at:end], strict=True)) if x != y)
+        at = end
+    return n
 
 
 def _feed(rows: list[_Row], tokens: Tensor) -> Tensor | None:

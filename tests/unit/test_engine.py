@@ -14,7 +14,17 @@ import time
 import pytest
 import torch
 
-from replicas.engine import Delta, Engine, EngineBusy, EngineConfig, Finished, Request, Started, UnknownInitState
+from replicas.engine import (
+    Delta,
+    Engine,
+    EngineBusy,
+    EngineConfig,
+    Finished,
+    Request,
+    Started,
+    UnknownInitState,
+    _common_prefix,
+)
 from replicas.init_states import InitState, InitStateError
 from replicas.model.loader import open_model
 from replicas.model.state import RNNState
@@ -220,23 +230,27 @@ def test_requests_that_extend_a_prompt_being_prefilled_wait_for_its_state(parts,
     assert stats["counters"]["followed_prompts"] == 3
 
 
-def test_requests_on_one_system_prompt_wait_for_its_checkpoint(parts):
-    """Two requests whose prompts share 70 tokens and then differ (one system prompt, two users'
-    questions): the second waits for the first's state at the last checkpoint within the shared
-    tokens (64: one every 32 here) and prefills from there, with the tokens it gets alone."""
+def test_requests_on_one_system_prompt_wait_for_the_state_where_they_part(parts):
+    """Three requests whose prompts share 70 tokens and then differ (one system prompt, users'
+    questions): the others wait for the first's state at the end of the prefix each shares with it
+    (the first publishes a state there: its chunks end at those points), and prefill only the rest,
+    with the tokens each gets alone."""
     tok = parts[1]
     system = tok.encode("".join(PROMPTS))[:70]
-    first, second = system + tok.encode("# one\n"), system + tok.encode("# two, longer\n")
+    prompts = [system + tok.encode(line) for line in ("# one\n", "# two, longer\n", "x = 3\n")]
+    shared = [_common_prefix(prompts[0], p) for p in prompts[1:]]
+    assert shared[0] > 70 and shared[1] == 70  # ("# " is shared too)
     engine = make_engine(parts, max_slots=4, token_chunk_size=8, max_prefill_tokens=16)
     try:
-        a, b = run(gather(collect(engine, Request(first, GREEDY)), collect(engine, Request(second, GREEDY))))
+        results = run(gather(*(collect(engine, Request(p, GREEDY)) for p in prompts)))
         stats = settle(engine)
     finally:
         engine.stop()
-    assert a.started.cached_tokens == 0 and b.started.cached_tokens == 64
-    assert stats["counters"]["prefilled_tokens"] == len(first) + len(second) - 64
-    assert stats["counters"]["followed_prompts"] == 1
-    assert cold_tokens(parts, second) == b.tokens
+    assert [r.started.cached_tokens for r in results] == [0, *shared]
+    assert stats["counters"]["prefilled_tokens"] == sum(map(len, prompts)) - sum(shared)
+    assert stats["counters"]["followed_prompts"] == 2
+    for prompt, result in zip(prompts[1:], results[1:], strict=True):
+        assert cold_tokens(parts, prompt) == result.tokens
 
 
 def test_a_long_prompt_is_chunked_and_checkpointed_so_a_partial_match_hits(parts):
