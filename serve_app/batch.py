@@ -130,6 +130,7 @@ class Client:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise CliError(f"--url {url!r}: an http:// or https:// address is needed")
         self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
+        self._where = f"{parts.scheme}://{parts.netloc}"
         self._prefix = parts.path.rstrip("/").removesuffix("/v1")
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -140,8 +141,8 @@ class Client:
         """Raises CliError unless the server answers /v1/models (the key is checked there too)."""
         try:
             status, body, _ = self._send("GET", "/v1/models", None)
-        except OSError as err:
-            raise CliError(f"cannot reach {self._scheme}://{self._host}:{self._port}: {err}") from None
+        except (OSError, http.client.HTTPException) as err:
+            raise CliError(f"cannot reach {self._where}: {err or type(err).__name__}") from None
         if status != 200:
             message = ((body or {}).get("error") or {}).get("message", f"status {status}")
             raise CliError(f"the server refused /v1/models: {message}")
@@ -174,7 +175,9 @@ class Client:
         raw = response.read()
         try:
             body = json.loads(raw) if raw else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):  # not an API's answer (a proxy's page, say): kept as its text
             body = {"error": {"message": raw.decode("utf-8", "replace")[:500]}}
         try:
             retry_after = min(60.0, max(0.1, float(response.getheader("Retry-After") or 1)))
@@ -282,13 +285,13 @@ def run_command(args) -> None:
     if args.url:
         stop = StopOnSignal()
         stop.install()
-        _run(todo, out, Client(args.url, api_key), args.concurrency, stop)
+        _run(todo, out, Client(args.url, api_key), args.concurrency, stop.is_set)
         return
     from .serve import local_server  # noqa: PLC0415 - Ray is imported only when a server is started here
 
     with local_server(args) as server:
         if server.url is not None:
-            _run(todo, out, Client(server.url, api_key or server.api_key), args.concurrency, server.stop)
+            _run(todo, out, Client(server.url, api_key or server.api_key), args.concurrency, server.stop.is_set)
 
 
 def _run(lines: list[BatchLine], out: Path, client: Client, concurrency: int, stopping: Callable[[], bool]) -> None:

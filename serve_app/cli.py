@@ -42,9 +42,6 @@ class StopOnSignal:
             raise KeyboardInterrupt
         self._event.set()
 
-    def __call__(self) -> bool:
-        return self._event.is_set()
-
     def is_set(self) -> bool:
         return self._event.is_set()
 
