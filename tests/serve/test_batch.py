@@ -1,13 +1,13 @@
 """`rwkv-fleet batch --url` against the session's application: a real process, real HTTP.
 
-The batch sends more requests at once than the application holds (two replicas of 4 slots and 4
-waiting, 8 queued at the ingress), so the server's 503s are met and asked again.
+The batch sends 32 requests at once, more than the two replicas' slots and waiting rows (4 and 4
+each): whether the ingress's queue overflows into 503s depends on the machine's speed, so the
+asking again is tested in tests/unit/test_batch.py, against a server that answers 503 on cue.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +53,6 @@ def test_a_batch_file_gets_each_answer_once_and_goes_on_after_an_interruption(tm
     result = run_batch(tmp_path, base_url)
     assert result.returncode == 0, result.stderr
     assert f"batch: {N} of {N + 1} requests succeeded" in result.stderr and "1 with status 400" in result.stderr
-    assert re.search(r"the server was full [1-9]\d* times", result.stderr), result.stderr  # (and asked again)
 
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(o["custom_id"] for o in out) == sorted(line["custom_id"] for line in lines)
