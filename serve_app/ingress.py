@@ -171,15 +171,15 @@ class Ingress:
 
     @api.post("/v1/completions", summary="Create a completion")
     async def completions(self, body: CompletionRequest) -> Response:
-        self._check_model(body.model)
+        init_state = self._init_state_of(body.model, body.init_state)
         body.refuse_unsupported()
         prompts = await self._completion_prompts(body.prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.config.default_max_tokens
         params = sampling_params_checked(body, max_tokens, [], body.logprobs, self.model_config.vocab_size,
                                          body.prompt_logprobs)
-        requests, prompt_of = self._requests(prompts, body.n, params, body.init_state, body.priority)
+        requests, prompt_of = self._requests(prompts, body.n, params, init_state, body.priority)
         echo = [self.tokenizer.decode(prompts[p]) for p in prompt_of] if body.echo else []
-        fmt = CompletionFormat(self.model_name, len(requests), body.logprobs, echo)
+        fmt = CompletionFormat(body.model or self.model_name, len(requests), body.logprobs, echo)
         return await self._respond(fmt, requests, prompt_of, body.stream, body.include_usage)
 
     @api.post("/v1/chat/completions", summary="Create a chat completion")
@@ -199,7 +199,7 @@ class Ingress:
         turn = responses_api.turn_messages(body)
         chat_body = responses_api.chat_request(body, self.config.default_max_tokens, earlier + turn)
         fmt, requests, prompt_of = await self._chat(chat_body)
-        shell = responses_api.Shell(body, self.model_name)
+        shell = responses_api.Shell(body, body.model or self.model_name)
 
         async def keep(response: dict) -> None:
             if body.store is False:
@@ -234,7 +234,7 @@ class Ingress:
 
     async def _chat(self, body: ChatCompletionRequest) -> tuple[ChatFormat, list[EngineRequest], list[int]]:
         """A chat request's engine requests (each choice's prompt beside) and its output's format."""
-        self._check_model(body.model)
+        init_state = self._init_state_of(body.model, body.init_state)
         body.refuse_unsupported()
         prompt = await self._encode(chat.render_request(body, self.config.chat))
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
@@ -242,8 +242,8 @@ class Ingress:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop = [] if body.json_mode else self.config.chat.stop  # (a JSON reply ends where its object closes)
         params = sampling_params_checked(body, max_tokens, stop, logprobs, self.model_config.vocab_size)
-        requests, prompt_of = self._requests([prompt], body.n, params, body.init_state, body.priority)
-        fmt = ChatFormat(self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,
+        requests, prompt_of = self._requests([prompt], body.n, params, init_state, body.priority)
+        fmt = ChatFormat(body.model or self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,
                          or_text=body.tool_auto)
         return fmt, requests, prompt_of
 
@@ -303,9 +303,22 @@ class Ingress:
             raise ApiError(400, "the text holds characters with no UTF-8 form (lone surrogates)") from None
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        self._init_state_of(model, None)
+
+    def _init_state_of(self, model: str | None, init_state: str | None) -> str | None:
+        """The init state a request starts from: its `init_state`, or the one its `model` names as
+        `<model>:<init state name>` (as /v1/models lists them); a 404 for another model."""
+        if model is None or model == self.model_name:
+            return init_state
+        named = model.removeprefix(f"{self.model_name}:") if model.startswith(f"{self.model_name}:") else ""
+        if not named:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r} "
+                           f"(and {self.model_name}:<init state> for each loaded init state)",
                            param="model", code="model_not_found")
+        if init_state is not None and init_state != named:
+            raise ApiError(400, f"the model names init state {named!r} and init_state {init_state!r}",
+                           param="init_state")
+        return named
 
     # -- tokens ----------------------------------------------------------------------------
 
@@ -331,17 +344,26 @@ class Ingress:
 
     # -- models ----------------------------------------------------------------------------
 
-    @api.get("/v1/models", summary="List models")
+    @api.get("/v1/models", summary="List models: the model, and the model from each loaded init state")
     async def models(self) -> ModelList:
-        return ModelList(data=[self._model()])
+        return ModelList(data=await self._models())
 
-    @api.get("/v1/models/{model_id}", summary="Retrieve a model")
+    @api.get("/v1/models/{model_id:path}", summary="Retrieve a model")
     async def model(self, model_id: str) -> ModelObject:
         self._check_model(model_id)
-        return self._model()
+        found = [m for m in await self._models() if m.id == model_id]
+        if not found:
+            raise ApiError(404, f"the model {model_id!r} does not exist: no init state of that name is loaded",
+                           param="model", code="model_not_found")
+        return found[0]
 
-    def _model(self) -> ModelObject:
-        return ModelObject(id=self.model_name, created=self.created)
+    async def _models(self) -> list[ModelObject]:
+        """The model, then `<model>:<name>` for each loaded init state (a request naming one runs
+        from that state, as with `init_state`)."""
+        states = (await self.states.list()).data
+        return [ModelObject(id=self.model_name, created=self.created),
+                *(ModelObject(id=f"{self.model_name}:{s.name}", created=s.created, parent=self.model_name)
+                  for s in sorted(states, key=lambda s: s.name))]
 
     # -- init states -----------------------------------------------------------------------
 

@@ -491,6 +491,7 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "rwkv-fleet"
+    parent: str | None = Field(None, description="for `<model>:<init state>`: the model it starts from that state")
 
 
 class ModelList(BaseModel):

@@ -306,7 +306,8 @@ def test_tokenizer_info_names_the_end_token_as_vllm_does(client, served):
 
 def test_models_health_and_schema(client):
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL_NAME
+    assert all(m["id"].startswith(f"{MODEL_NAME}:") and m["parent"] == MODEL_NAME for m in models["data"][1:])
     assert client.get(f"/v1/models/{MODEL_NAME}").json()["object"] == "model"
     assert client.get("/v1/models/other").status_code == 404
     assert client.get("/health").json()["status"] == "ok"

@@ -17,7 +17,8 @@ def oai(base_url):
 
 
 def test_models_and_completions(oai):
-    assert [m.id for m in oai.models.list()] == [MODEL_NAME]
+    ids = [m.id for m in oai.models.list()]
+    assert ids[0] == MODEL_NAME and all(i.startswith(f"{MODEL_NAME}:") for i in ids[1:])
     completion = oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, seed=1)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 5
     chunks = list(oai.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, seed=1, stream=True))

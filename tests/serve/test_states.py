@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from .conftest import REPLICAS, random_state_bytes, stats, wait_for
+from .conftest import MODEL_NAME, REPLICAS, random_state_bytes, stats, wait_for
 
 pytestmark = pytest.mark.serve
 
@@ -63,6 +63,31 @@ def test_an_uploaded_state_is_used_on_every_replica(client, base_url):
         response = client.post("/v1/completions", json={**GREEDY, "init_state": "poet"})
         assert response.status_code == 404 and response.json()["error"]["code"] == "init_state_not_found"
     assert "poet" not in names(client)
+
+
+def test_each_loaded_state_is_a_model_clients_can_pick(client):
+    """`<model>:<init state>` in /v1/models for each loaded state; a request naming it runs from
+    that state (the text of init_state), and its reply names it."""
+    assert upload(client, "pirate", random_state_bytes(seed=21)).status_code == 200
+    try:
+        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert models[0] == MODEL_NAME and f"{MODEL_NAME}:pirate" in models
+        assert client.get(f"/v1/models/{MODEL_NAME}:pirate").json()["parent"] == MODEL_NAME
+        by_model = client.post("/v1/completions", json={**GREEDY, "model": f"{MODEL_NAME}:pirate"}).json()
+        assert by_model["model"] == f"{MODEL_NAME}:pirate"
+        assert by_model["choices"][0]["text"] == greedy_text(client, init_state="pirate") != greedy_text(client)
+        chat = client.post("/v1/chat/completions", json={"model": f"{MODEL_NAME}:pirate", "max_tokens": 3,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 200 and chat.json()["model"] == f"{MODEL_NAME}:pirate"
+        both = client.post("/v1/completions", json={**GREEDY, "model": f"{MODEL_NAME}:pirate", "init_state": "x"})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "init_state"
+    finally:
+        assert client.delete("/v1/states/pirate").status_code == 200
+    assert f"{MODEL_NAME}:pirate" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert client.get(f"/v1/models/{MODEL_NAME}:pirate").status_code == 404
+    gone = client.post("/v1/completions", json={**GREEDY, "model": f"{MODEL_NAME}:pirate"})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "init_state"
+    assert client.post("/v1/completions", json={**GREEDY, "model": f"{MODEL_NAME}:"}).status_code == 404
 
 
 def test_a_default_state_applies_to_requests_that_name_none(client):
