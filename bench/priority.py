@@ -4,9 +4,10 @@ urgent one, in one run.
 
 Each round starts `--batch` requests of `--tokens` new tokens at once (a batch job, priority 0) and,
 once their first wave holds the slots, one more request of the same length: at priority 0 it waits
-behind every batch request queued before it; at -1 the next free slot is its. Figures: the
-interactive request's time to its first token and to its last, and the batch's generated tokens/s,
-medians of the rounds (the two cases alternate).
+behind every batch request queued before it; at -1 it takes a batch request's slot, which is
+parked (the engine as it is), or, with parking switched off in this run, the next slot that comes
+free. Figures: the interactive request's time to its first token and to its last, and the batch's
+generated tokens/s, medians of the rounds (the cases alternate).
 
     python bench/priority.py [--model demo|0.1b] [--slots 4] [--batch 32] [--tokens 64] [--rounds 3]
 
@@ -74,12 +75,15 @@ def main() -> None:
     say(f"[{args.model}] opening")
     runner, tokenizer = open_runner(args.model, "cpu", args.slots)
     engine = Engine(runner, tokenizer, EngineConfig(max_slots=args.slots, max_waiting=args.batch)).start(say)
-    cases = {"0 (the batch's)": 0, "-1 (more urgent)": -1}
+    cases = {"0 (the batch's)": (0, True), "-1, no parking (waits for a free slot)": (-1, False),
+             "-1 (takes a batch request's slot)": (-1, True)}
+    park_for = engine._park_for
     figures: dict[str, list[tuple[float, float, float]]] = {case: [] for case in cases}
     try:
         asyncio.run(one_round(engine, tokenizer, args, 0))  # warm-up
         for r in range(args.rounds):
-            for case, urgent in cases.items():
+            for case, (urgent, parking) in cases.items():
+                engine._park_for = park_for if parking else (lambda row: False)
                 figures[case].append(asyncio.run(one_round(engine, tokenizer, args, urgent)))
                 first, last, rate = figures[case][-1]
                 say(f"round {r + 1}/{args.rounds}, priority {case}: first token {first * 1e3:.0f} ms, "

@@ -9,7 +9,9 @@ and iterate its events. One step of the loop:
      slot whose tokens prefix the prompt continues with no reload; else an empty slot; else the
      least recently used idle slot, backed into the prefix cache first; then the cache's longest
      prefix is loaded (a request that shares a prompt being prefilled waits for that one's state
-     of the shared part first);
+     of the shared part first). With no slot free, a request takes the slot of a generating row
+     of a less urgent priority, which is parked (its state, penalty counts and logits copied
+     aside) and goes on exactly where it was once a slot is free again;
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary, or where a waiting row's prompt parts from the row's) and run
      them on the runner (while rows decode, new prompts may wait up to `prefill_every` steps, so
@@ -282,6 +284,7 @@ class _Row:
     admitted_at: int = 0  # the engine's step count when the row took its slot
     followed: bool = False  # waited for another row's prompt (_leader)
     publish_at: set[int] = field(default_factory=set)  # prompt lengths whose states rows wait for (_leader)
+    parked: tuple[RNNState, Tensor] | None = None  # a preempted row's state and penalty counts (_park)
     arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
@@ -493,7 +496,7 @@ class Engine:
                 log.exception("engine step failed")
                 for row in list(self._rows.values()):
                     self._finish(row, "error", f"internal error: {err}")
-            if not (self._calls_queue and any(row.fresh for row in self._rows.values())):
+            if not (self._calls_queue and any(row.fresh and row.slot is not None for row in self._rows.values())):
                 self._hand_over()  # else the next step's sampling hands them over (see _sample)
         for row in list(self._rows.values()):
             self._finish(row, "cancelled")
@@ -534,11 +537,13 @@ class Engine:
             except Exception as err:
                 future.set_exception(err)
 
-    def _queue(self, row: _Row) -> None:
+    def _queue(self, row: _Row, first: bool = False) -> None:
         """Into the waiting queue behind every row of its priority or a more urgent one, ahead of
-        the rest (a request already admitted keeps its slot: none is preempted)."""
+        the rest; `first`: behind only the more urgent ones (a parked row, which came before the
+        rows of its priority that wait)."""
         at = len(self._waiting)
-        while at and self._waiting[at - 1].request.priority > row.request.priority:
+        while at and (self._waiting[at - 1].request.priority > row.request.priority
+                      or first and self._waiting[at - 1].request.priority == row.request.priority):
             at -= 1
         self._waiting.insert(at, row)
 
@@ -548,7 +553,7 @@ class Engine:
             self._finish(row, "cancelled")
         self._admit()
         self._run_prefill(self._plan_prefill())
-        self._sample([r for r in self._rows.values() if r.fresh])
+        self._sample([r for r in self._rows.values() if r.fresh and r.slot is not None])
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -560,6 +565,10 @@ class Engine:
         prefilling = [r for r in self._rows.values() if r.slot is not None and self._leads(r)]
         while self._waiting:
             row = self._waiting[0]
+            if row.parked is not None:
+                if not self._unpark(row):
+                    break
+                continue
             if self.cache.prefetch(row.namespace, row.reused, self._wake):
                 held.append(self._waiting.popleft())
                 reading += 1
@@ -569,6 +578,8 @@ class Engine:
                 held.append(self._waiting.popleft())
                 continue
             choice = self.slots.choose(row.namespace, row.reused)
+            if choice is None and self._park_for(row):
+                choice = self.slots.choose(row.namespace, row.reused)
             if choice is None:
                 break
             self._waiting.popleft()
@@ -586,6 +597,43 @@ class Engine:
                 prefilling.append(row)
         self._waiting.extendleft(reversed(held))
         self._reading = reading
+
+    def _park_for(self, row: _Row) -> bool:
+        """Frees a slot for `row` by parking the generating row of the least urgent priority, if it
+        is less urgent than `row` (the last admitted of those). A row's whole history is its state:
+        it goes on later exactly as if it had kept its slot."""
+        victims = [r for r in self._rows.values() if r.slot is not None and not r.todo
+                   and r.request.priority > row.request.priority]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: (r.request.priority, r.admitted_at, r.uid))
+        slot = victim.slot
+        victim.parked = (self.runner.read_state(slot), self.sampler.counts[slot].clone())
+        if victim.logits is not None:
+            victim.logits = victim.logits.clone()  # (a view of a call's logits, which a later call overwrites)
+        self.slots.release(slot)
+        victim.slot = None
+        self._queue(victim, first=True)
+        self.stats["preempted"] += 1
+        return True
+
+    def _unpark(self, row: _Row) -> bool:
+        """A parked row back into a free slot (False: none is free), as it was when it left."""
+        choice = self.slots.choose(row.namespace, ())
+        if choice is None and not self._park_for(row):
+            return False
+        choice = choice or self.slots.choose(row.namespace, ())
+        self._waiting.remove(row)
+        if choice.kind is Choice.BACK:
+            self._back_up(choice.slot, choice.namespace, choice.prefix)
+        self._idle_logits.pop(choice.slot, None)
+        self.slots.occupy(choice.slot, row.uid)
+        state, counts = row.parked
+        self.runner.write_state(choice.slot, state)
+        self.sampler.counts[choice.slot].copy_(counts)
+        row.slot, row.parked = choice.slot, None
+        self.slots.start_generating(choice.slot)
+        return True
 
     def _leads(self, row: _Row) -> bool:
         """Whether rows may wait for this admitted row's prompt: it has tokens of it left, and it

@@ -26,6 +26,8 @@ _HELP = {
     "prefilled_tokens": "prompt tokens run through the model",
     "continued_tokens": "prompt tokens skipped by continuing an idle slot",
     "busy_refusals": "requests refused because the waiting queue was full",
+    "preempted": "requests parked to give their slot to a more urgent one (they go on later)",
+    "followed_prompts": "requests that waited for another's prompt state instead of prefilling it beside it",
     "json_mode_requests": "requests in JSON mode (a JSON object, a schema's, or a tool call)",
     "json_masks_made": "JSON mode: banned-token masks made (one a new state of a constraint)",
     "json_mask_us": "JSON mode: microseconds the engine spent making masks",

@@ -354,8 +354,8 @@ def test_stress_random_submit_cancel_finish_leaks_nothing(parts, calls_queue):
                     prompt = tok.encode(rng.choice(PROMPTS))[: rng.randint(1, 40)]
                     params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]),
                                             seed=rng.randint(0, 9))
-                    try:
-                        stream = engine.submit(Request(prompt, params))
+                    try:  # (priorities: rows are parked and come back, some cancelled while parked)
+                        stream = engine.submit(Request(prompt, params, priority=rng.choice([0, 0, 1, -1])))
                     except EngineBusy:
                         outcomes["busy"] += 1
                         continue
@@ -379,6 +379,7 @@ def test_stress_random_submit_cancel_finish_leaks_nothing(parts, calls_queue):
         assert finished == c["submitted"] == outcomes["done"] + outcomes["cancelled"]
         assert outcomes["busy"] == c.get("busy_refusals", 0)
         assert stats["cache"]["device_bytes"] <= engine.cache.budget["device"]
+        assert c["preempted"] > 0
     finally:
         engine.stop()
 
@@ -719,30 +720,55 @@ def test_histograms_time_each_request_and_count_its_tokens(parts):
         engine.stop()
 
 
-def test_a_more_urgent_request_takes_the_next_free_slot(parts):
-    """One slot, held; three requests of priority 0 wait, then one of priority -1 comes: it is
-    admitted first, and those of one priority keep their order."""
+def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one(parts):
+    """One slot, held by a sampling row with penalties; three requests of its priority wait, then
+    one of priority -1 comes: it takes the slot at once (the holder is parked), then the holder
+    goes on, then the others in order. The holder's tokens are those it gets alone: a parked
+    row's state, penalty counts and logits come back with it."""
     tok = parts[1]
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3, presence_penalty=0.5, frequency_penalty=0.5,
+                             ignore_eos=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    holder_prompt = tok.encode("# holder\n")
     engine = make_engine(parts, max_slots=1)
     try:
-        async def scenario() -> list[str]:
-            order: list[str] = []
+        async def scenario() -> tuple[list[str], dict[str, list[int]]]:
+            events: list[str] = []
+            tokens: dict[str, list[int]] = {}
+            holder_going = asyncio.Event()
 
-            async def one(name: str, priority: int, delay: float) -> None:
-                await asyncio.sleep(delay)  # (the holder's 200 tokens take about a second)
-                params = SamplingParams(max_tokens=200 if name == "holder" else 4, temperature=0.0, ignore_eos=True)
-                async for event in engine.generate(Request(tok.encode(f"# {name}\n"), params, priority=priority)):
+            async def one(name: str, priority: int, after: float = 0.0) -> None:
+                if name != "holder":
+                    await holder_going.wait()
+                    await asyncio.sleep(after)
+                prompt, params = (holder_prompt, sampled) if name == "holder" else (tok.encode(f"# {name}\n"), short)
+                async for event in engine.generate(Request(prompt, params, priority=priority)):
                     if isinstance(event, Started):
-                        order.append(name)
+                        events.append(f"{name} started")
+                    elif isinstance(event, Delta) and event.token_ids:
+                        tokens.setdefault(name, []).extend(event.token_ids)
+                        if name == "holder" and len(tokens[name]) >= 8:
+                            holder_going.set()
+                    elif isinstance(event, Finished):
+                        events.append(f"{name} ended")
 
-            await gather(one("holder", 0, 0), one("a", 0, 0.01), one("b", 0, 0.02), one("c", 0, 0.03),
-                         one("urgent", -1, 0.04), one("later", 5, 0.05), one("d", 0, 0.06))
-            return order
+            await gather(one("holder", 0), one("a", 0, 0.0), one("b", 0, 0.01), one("urgent", -1, 0.02),
+                         one("later", 5, 0.03), one("c", 0, 0.04))
+            return events, tokens
 
-        assert run(scenario()) == ["holder", "urgent", "a", "b", "c", "d", "later"]
-        settle(engine)
+        events, tokens = run(scenario())
+        stats = settle(engine)
     finally:
         engine.stop()
+    assert events.index("urgent started") < events.index("holder ended")  # (it did not wait for the slot)
+    ended = [e.removesuffix(" ended") for e in events if e.endswith(" ended")]
+    assert ended == ["urgent", "holder", "a", "b", "c", "later"]
+    assert stats["counters"]["preempted"] == 1
+    alone = make_engine(parts, max_slots=1)
+    try:
+        assert run(collect(alone, Request(holder_prompt, sampled))).tokens == tokens["holder"]
+    finally:
+        alone.stop()
 
 
 def _reference_logprobs(parts, tokens: list[int], state: RNNState | None = None) -> torch.Tensor:
