@@ -202,3 +202,51 @@ def test_scored_prompts_on_the_gpu_give_the_cpus_logprobs(model_dir):
         top2 = ref[:-1].topk(2).values
         clear = (top2[:, 0] - top2[:, 1] > 0.05).tolist()
         assert all(e.top[0][0] == int(ref[i].argmax()) for i, e in enumerate(got[1:]) if clear[i])
+
+
+def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy):
+    """Priority on the CUDA runner and the sampler's kernel: a greedy row and a sampled row with
+    penalties hold the two slots; an urgent request parks one, then the other comes back. Each
+    parked row's tokens are those it gets alone (greedy: the CPU's; sampled: the same request alone
+    in a fresh engine on the GPU), so its state and penalty counts came back whole."""
+    tokenizer, expected = cpu_greedy
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=5, presence_penalty=0.5,
+                             frequency_penalty=0.5, ignore_eos=True)
+    config = EngineConfig(max_slots=2, token_chunk_size=16, max_prefill_tokens=40)
+
+    def engine() -> Engine:
+        runner, _, _ = open_model(model_dir, max_slots=2, device="cuda")
+        return Engine(runner, tokenizer, config).start()
+
+    async def run(eng: Engine, requests: list[tuple[str, SamplingParams, int, int]]) -> list[list[int]]:
+        """Each (prompt, params, priority, tokens of the first request to wait for) to its end."""
+        out: list[list[int]] = [[] for _ in requests]
+
+        async def one(i: int) -> None:
+            prompt, params, priority, after = requests[i]
+            while len(out[0]) < after:
+                await asyncio.sleep(0.001)
+            async for event in eng.submit(Request(tokenizer.encode(prompt), params, priority=priority)):
+                if isinstance(event, Delta):
+                    out[i] += event.token_ids
+
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        return out
+
+    busy = engine()
+    try:
+        got = asyncio.run(run(busy, [(PROMPTS[0], greedy, 1, 0), (PROMPTS[1], sampled, 1, 0),
+                                     (PROMPTS[2], greedy, 0, 8), (PROMPTS[3], greedy, 0, 8)]))
+        preempted = busy.snapshot_stats()["counters"]["preempted"]
+        busy.check_integrity()
+    finally:
+        busy.stop()
+    alone = engine()
+    try:
+        (sampled_alone,) = asyncio.run(run(alone, [(PROMPTS[1], sampled, 0, 0)]))
+    finally:
+        alone.stop()
+    assert preempted == 2
+    assert got[0] == expected[0] and got[2] == expected[2] and got[3] == expected[3]
+    assert got[1] == sampled_alone
