@@ -124,8 +124,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer, as OpenAI's")
     user: str | None = None
     init_state: str | None = Field(None, description="id or name of a loaded init state to start from")
-    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="extension (vLLM's): a lower number is "
-                                "admitted to a slot first on its replica; default 0")
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="extension (vLLM's): a lower number goes "
+                                "first on its replica, taking the slot of a less urgent request (parked); default 0")
     top_k: int | None = Field(None, description="RWKV extension: keep the k most likely tokens (0 is off)")
     min_p: float | None = Field(None, description="extension (vLLM's): keep the tokens at least min_p times as "
                                 "likely as the best (0 is off)")
