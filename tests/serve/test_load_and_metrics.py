@@ -99,6 +99,39 @@ def test_a_requests_choices_prefill_their_prompt_once(client, tokenizer):
     assert prefilled(client) - before == n_tokens
 
 
+def test_an_urgent_request_parks_a_batch_request_over_http(client, base_url):
+    """Every replica's slots held by long requests of priority 1: a request of priority 0 takes a
+    slot at once, parking one of them, which still ends whole."""
+    settled_generated(client)
+    before = stats(client)["total"]["counters"].get("preempted", 0)
+
+    async def batch_request(http: httpx.AsyncClient, i: int) -> dict:
+        body = {"prompt": f"batch {i}", "max_tokens": 300, "ignore_eos": True, "priority": 1}
+        while (reply := await http.post("/v1/completions", json=body)).status_code == 503:
+            await asyncio.sleep(0.05)  # (the router may put more on one replica than it holds)
+        return reply.json()
+
+    def slots_full() -> bool:
+        slots = stats(client)["total"]["slots"]
+        return slots["busy"] + slots["wait"] == slots["capacity"]
+
+    async def run() -> tuple[list[dict], float, float]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            jobs = [asyncio.create_task(batch_request(http, i)) for i in range(REPLICAS * (SLOTS + 2))]
+            await asyncio.to_thread(wait_for, slots_full, 30, 0.05, "every slot held")
+            started = asyncio.get_running_loop().time()
+            urgent = await http.post("/v1/completions", json={"prompt": "urgent", "max_tokens": 2, "priority": 0})
+            urgent_s = asyncio.get_running_loop().time() - started
+            assert urgent.status_code == 200, urgent.text
+            replies = await asyncio.gather(*jobs)
+            return replies, urgent_s, asyncio.get_running_loop().time() - started
+
+    replies, urgent_s, batch_s = asyncio.run(run())
+    assert all(r["usage"]["completion_tokens"] == 300 for r in replies)
+    assert urgent_s < batch_s / 3, (urgent_s, batch_s)
+    wait_for(lambda: stats(client)["total"]["counters"].get("preempted", 0) > before, what="a parked request")
+
+
 async def _one_streamed(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, bool]:
     """(status, Retry-After, finished properly)."""
     body = {"prompt": f"load {i}", "max_tokens": 48, "stream": True, "ignore_eos": True}
