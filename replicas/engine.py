@@ -9,9 +9,9 @@ and iterate its events. One step of the loop:
      slot whose tokens prefix the prompt continues with no reload; else an empty slot; else the
      least recently used idle slot, backed into the prefix cache first; then the cache's longest
      prefix is loaded (a request that shares a prompt being prefilled waits for that one's state
-     of the shared part first). With no slot free, a request takes the slot of a generating row
-     of a less urgent priority, which is parked (its state, penalty counts and logits copied
-     aside) and goes on exactly where it was once a slot is free again;
+     of the shared part first). With no slot free, a request takes the slot of a row of a less
+     urgent priority, which is parked (its state, penalty counts and logits copied aside) and
+     goes on exactly where it was once a slot is free again;
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary, or where a waiting row's prompt parts from the row's) and run
      them on the runner (while rows decode, new prompts may wait up to `prefill_every` steps, so
@@ -599,11 +599,11 @@ class Engine:
         self._reading = reading
 
     def _park_for(self, row: _Row) -> bool:
-        """Frees a slot for `row` by parking the generating row of the least urgent priority, if it
-        is less urgent than `row` (the last admitted of those). A row's whole history is its state:
-        it goes on later exactly as if it had kept its slot."""
-        victims = [r for r in self._rows.values() if r.slot is not None and not r.todo
-                   and r.request.priority > row.request.priority]
+        """Frees a slot for `row` by parking the admitted row of the least urgent priority, if it is
+        less urgent than `row` (the last admitted of those), generating or part way through its
+        prompt. A row's whole history is its state: it goes on later exactly as if it had kept its
+        slot."""
+        victims = [r for r in self._rows.values() if r.slot is not None and r.request.priority > row.request.priority]
         if not victims:
             return False
         victim = max(victims, key=lambda r: (r.request.priority, r.admitted_at, r.uid))
@@ -632,7 +632,8 @@ class Engine:
         self.runner.write_state(choice.slot, state)
         self.sampler.counts[choice.slot].copy_(counts)
         row.slot, row.parked = choice.slot, None
-        self.slots.start_generating(choice.slot)
+        if not row.todo:
+            self.slots.start_generating(choice.slot)
         return True
 
     def _leads(self, row: _Row) -> bool:

@@ -771,6 +771,45 @@ def test_a_more_urgent_request_takes_the_slot_of_a_less_urgent_one(parts):
         alone.stop()
 
 
+def test_a_row_parked_part_way_through_its_prompt_goes_on_from_there(parts, alone):
+    """One slot: a long prompt of priority 1 prefills in chunks of 8 tokens, and one of priority 0
+    comes while it does: the long one is parked mid-prompt, then prefills the rest and generates
+    the tokens it gets alone; no prompt token is prefilled twice."""
+    tok = parts[1]
+    long_prompt, urgent = tok.encode("".join(PROMPTS) * 3), tok.encode(PROMPTS[1])
+    assert len(long_prompt) > 256
+    engine = make_engine(parts, max_slots=1, token_chunk_size=8, max_prefill_tokens=8, cache_min_tokens=10_000)
+    first_tokens: list[str] = []  # which request's first token came first
+
+    async def tracked(name: str, request: Request) -> Result:
+        result = Result()
+        async for event in engine.generate(request):
+            if isinstance(event, Delta) and event.token_ids and not result.tokens:
+                first_tokens.append(name)
+            if isinstance(event, Delta):
+                result.tokens += event.token_ids
+        return result
+
+    try:
+        async def scenario() -> tuple[Result, Result]:
+            first = asyncio.create_task(tracked("long", Request(long_prompt, GREEDY, priority=1)))
+            deadline = time.monotonic() + 30
+            while engine.snapshot_stats()["counters"].get("prefilled_tokens", 0) < 16:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+            second = await tracked("urgent", Request(urgent, GREEDY))
+            return await first, second
+
+        first, second = run(scenario())
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    assert stats["counters"]["preempted"] == 1
+    assert first_tokens == ["urgent", "long"]  # (one slot: the long one was parked before its prompt ended)
+    assert stats["counters"]["prefilled_tokens"] == len(long_prompt) + len(urgent)
+    assert second.tokens == alone[PROMPTS[1]] and first.tokens == cold_tokens(parts, long_prompt)
+
+
 def _reference_logprobs(parts, tokens: list[int], state: RNNState | None = None) -> torch.Tensor:
     """log_softmax of the model's logits after each token, fed at once from `state` (zeros)."""
     from replicas.model.rwkv7 import Rows
