@@ -284,7 +284,7 @@ class _Row:
     admitted_at: int = 0  # the engine's step count when the row took its slot
     followed: bool = False  # waited for another row's prompt (_leader)
     publish_at: set[int] = field(default_factory=set)  # prompt lengths whose states rows wait for (_leader)
-    parked: tuple[RNNState, Tensor] | None = None  # a preempted row's state and penalty counts (_park)
+    parked: tuple[RNNState, Tensor] | None = None  # a parked row's state and penalty counts (_park_for)
     arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
