@@ -59,7 +59,7 @@ from .json_grammar import Constraint, GrammarError, JsonGrammar
 from .model.state import RNNState
 from .output import OutputStream
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
-from .slots import Choice, Phase, SlotTable
+from .slots import Choice, Phase, SlotChoice, SlotTable
 from .state_cache import PrefixStateCache, Snapshot
 from .state_files import DiskTier
 from .tokenizer import Tokenizer
@@ -289,6 +289,11 @@ class _Row:
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
     @property
+    def due(self) -> bool:
+        """Its logits wait to be sampled, in a slot (a parked row keeps its fresh logits for later)."""
+        return self.fresh and self.slot is not None
+
+    @property
     def namespace(self) -> str:
         return _namespace(self.init)
 
@@ -496,7 +501,7 @@ class Engine:
                 log.exception("engine step failed")
                 for row in list(self._rows.values()):
                     self._finish(row, "error", f"internal error: {err}")
-            if not (self._calls_queue and any(row.fresh and row.slot is not None for row in self._rows.values())):
+            if not (self._calls_queue and any(row.due for row in self._rows.values())):
                 self._hand_over()  # else the next step's sampling hands them over (see _sample)
         for row in list(self._rows.values()):
             self._finish(row, "cancelled")
@@ -553,7 +558,7 @@ class Engine:
             self._finish(row, "cancelled")
         self._admit()
         self._run_prefill(self._plan_prefill())
-        self._sample([r for r in self._rows.values() if r.fresh and r.slot is not None])
+        self._sample([r for r in self._rows.values() if r.due])
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -583,12 +588,9 @@ class Engine:
             if choice is None:
                 break
             self._waiting.popleft()
-            if choice.kind is Choice.BACK:
-                self._back_up(choice.slot, choice.namespace, choice.prefix)
-            self._idle_logits.pop(choice.slot, None)
-            self.slots.occupy(choice.slot, row.uid)
+            self._occupy(row, choice)
             self.sampler.reset(choice.slot)
-            row.slot, row.admitted_at = choice.slot, self._steps
+            row.admitted_at = self._steps
             self.histograms.queue.observe(time.perf_counter() - row.arrived)
             self._load_start_state(row, choice.prefix if choice.kind is Choice.CONTINUE else None)
             self._deliver(row, Started(row.prompt_len, row.cached_tokens))
@@ -624,17 +626,22 @@ class Engine:
             return False
         choice = choice or self.slots.choose(row.namespace, ())
         self._waiting.remove(row)
+        self._occupy(row, choice)
+        state, counts = row.parked
+        self.runner.write_state(choice.slot, state)
+        self.sampler.counts[choice.slot].copy_(counts)
+        row.parked = None
+        if not row.todo:
+            self.slots.start_generating(choice.slot)
+        return True
+
+    def _occupy(self, row: _Row, choice: SlotChoice) -> None:
+        """The row takes the chosen slot (an idle one's state backed into the cache first)."""
         if choice.kind is Choice.BACK:
             self._back_up(choice.slot, choice.namespace, choice.prefix)
         self._idle_logits.pop(choice.slot, None)
         self.slots.occupy(choice.slot, row.uid)
-        state, counts = row.parked
-        self.runner.write_state(choice.slot, state)
-        self.sampler.counts[choice.slot].copy_(counts)
-        row.slot, row.parked = choice.slot, None
-        if not row.todo:
-            self.slots.start_generating(choice.slot)
-        return True
+        row.slot = choice.slot
 
     def _leads(self, row: _Row) -> bool:
         """Whether rows may wait for this admitted row's prompt: it has tokens of it left, and it
@@ -651,7 +658,7 @@ class Engine:
         prompt = row.reused
         best = None
         for other in prefilling:
-            at = self._shared(prompt, other) if other.namespace == row.namespace else 0
+            at = _common_prefix(prompt, other.request.prompt) if other.namespace == row.namespace else 0
             if at >= self.config.cache_min_tokens and at > len(other.consumed) and (best is None or at > best[0]):
                 best = (at, other)
         if best is None:
@@ -663,11 +670,6 @@ class Engine:
         at, leader = best
         leader.publish_at.add(at)
         return leader
-
-    def _shared(self, prompt: Sequence[int], other: _Row) -> int:
-        """How long a prefix `prompt` shares with `other`'s prompt (its whole prompt at most): the
-        state `other` will publish for a row of `prompt`."""
-        return _common_prefix(prompt, other.request.prompt)
 
     def _wake(self) -> None:
         """(any thread) The engine thread goes on if it waits for commands."""

@@ -16,7 +16,6 @@ import http.client
 import json
 import os
 import secrets
-import sys
 import threading
 import time
 import urllib.parse
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .access import ENV_VAR
-from .cli import CliError, StopOnSignal
+from .cli import CliError, StopOnSignal, say
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 BUSY = (429, 503)
@@ -254,7 +253,7 @@ def run_batch(lines: list[BatchLine], out: Path, client: Client, concurrency: in
                 tally.add(result)
             if time.monotonic() - last_said >= PROGRESS_S:
                 last_said = time.monotonic()
-                _say(tally.progress(last_said - started))
+                say(tally.progress(last_said - started))
     pool.shutdown(wait=False)  # (every request has ended; after an exception the threads end alone)
     return tally
 
@@ -277,9 +276,9 @@ def run_command(args) -> None:
     done = resume_from(out) if out.exists() else set()
     todo = [line for line in lines if line.custom_id not in done]
     if done:
-        _say(f"batch: {len(lines) - len(todo)} of {len(lines)} requests are in {out} already")
+        say(f"batch: {len(lines) - len(todo)} of {len(lines)} requests are in {out} already")
     if not todo:
-        _say(f"batch: nothing left to send; results in {out}")
+        say(f"batch: nothing left to send; results in {out}")
         return
     api_key = args.api_key or os.environ.get(ENV_VAR, "").strip() or None
     if args.url:
@@ -296,11 +295,7 @@ def run_command(args) -> None:
 
 def _run(lines: list[BatchLine], out: Path, client: Client, concurrency: int, stopping: Callable[[], bool]) -> None:
     client.check()
-    _say(f"batch: {len(lines)} requests, {concurrency} at a time")
+    say(f"batch: {len(lines)} requests, {concurrency} at a time")
     started = time.monotonic()
     tally = run_batch(lines, out, client, concurrency, stopping)
-    _say(tally.summary(time.monotonic() - started, out))
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    say(tally.summary(time.monotonic() - started, out))

@@ -21,7 +21,8 @@ class CliError(Exception):
     """A failure to report as one line."""
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """A line for the user, on stderr (the commands' progress and closing lines)."""
     print(message, file=sys.stderr, flush=True)
 
 
@@ -63,7 +64,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     dtype = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     convert(Path(args.source), Path(args.out_dir), Path(args.tokenizer) if args.tokenizer else None,
-            dtype=dtype, name=args.name, progress=_say)
+            dtype=dtype, name=args.name, progress=say)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -73,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from replicas.sampling import SamplingParams
 
     schema = _read_schema(args.schema) if args.schema else None  # (checked before the model loads)
-    runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=_say)
+    runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=say)
     init = None
     if args.state:  # checked before the engine starts: a file that does not fit is one line
         try:
@@ -113,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise CliError(finished.error or "generation failed")
     if finished is not None:
         u = finished.usage
-        _say(f"[{card.name}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, {finished.reason}]")
+        say(f"[{card.name}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, {finished.reason}]")
 
 
 def _read_schema(path: str) -> str:
@@ -210,10 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args)
     except KeyboardInterrupt:
-        _say("interrupted")
+        say("interrupted")
         return 130
     except (CliError, ModelFormatError, InvalidRequest, ValueError, OSError) as err:
-        _say(f"rwkv-fleet {args.command}: error: {err}")
+        say(f"rwkv-fleet {args.command}: error: {err}")
         return 1
     return 0
 

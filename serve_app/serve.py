@@ -15,14 +15,13 @@ import asyncio
 import logging
 import math
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .access import ENV_VAR
 from .app import APP_NAME, build_app, start_serve
-from .cli import CliError, StopOnSignal
+from .cli import CliError, StopOnSignal, say
 from .config import AppConfig, load_config
 
 POLL_S = 0.5
@@ -54,7 +53,7 @@ def local_server(args: argparse.Namespace) -> Iterator[LocalServer]:
     from ray import serve as ray_serve  # noqa: PLC0415
 
     address = os.environ.get("RAY_ADDRESS")
-    _say(f"starting Ray {'(joining ' + address + ')' if address else '(local)'} ...")
+    say(f"starting Ray {'(joining ' + address + ')' if address else '(local)'} ...")
     ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False,
              **({} if address else {"num_cpus": _local_cpus(config)}))
     stop.install()  # after ray.init, which installs handlers of its own
@@ -65,10 +64,10 @@ def local_server(args: argparse.Namespace) -> Iterator[LocalServer]:
         running = _wait_running(ray_serve, stop)
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
         yield LocalServer(f"http://{host}:{config.port}" if running else None, stop, next(filter(None, keys), None))
-        _say("stopping ...")
+        say("stopping ...")
     finally:
         _teardown(ray, ray_serve)
-    _say("stopped")
+    say("stopped")
 
 
 def _check_model(config: AppConfig) -> None:
@@ -110,7 +109,7 @@ def _wait_running(ray_serve, stop: StopOnSignal) -> bool:
                 raise CliError(f"the application failed to start: {_first_line(app.message)}")
             line = _progress(app)
             if line != last:
-                _say(line)
+                say(line)
                 last = line
         stop.wait(POLL_S)
     return False
@@ -127,7 +126,7 @@ def _progress(app) -> str:
 
 
 def _say_ready(url: str, keyed: bool) -> None:
-    _say(f"\nrwkv-fleet is serving at {url}/v1 (OpenAI-compatible; API docs at {url}/docs). Ctrl-C stops it.\n"
+    say(f"\nrwkv-fleet is serving at {url}/v1 (OpenAI-compatible; API docs at {url}/docs). Ctrl-C stops it.\n"
          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
          + ("    -H \"Authorization: Bearer $KEY\" \\\n" if keyed else "") +
          """    -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'\n""")
@@ -146,7 +145,3 @@ def _teardown(ray, ray_serve) -> None:
 def _first_line(message: str) -> str:
     lines = [line for line in (message or "").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "see the Ray logs"
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
