@@ -7,8 +7,18 @@ after every token, each token's logprob and the best alternative). The prompts d
 cases and rounds, so that no case finds another's states in the cache. A round of each to warm
 up, then two rounds alternated; prints prompt tokens/s and the ratio.
 
+`--choice` measures a multiple-choice evaluation instead, as lm-evaluation-harness sends one:
+`--questions` questions of `--choices` choices, each choice a scored prompt (prompt_logprobs 1,
+max_tokens 1) of the question's `--context` random tokens and an answer of 1 to 2 × `--answer`, sent in
+lm-eval's order (longest prompt first) `--concurrency` at a time. The engine as it is (a scored
+prompt starts from a cached state that keeps its tokens' scores, a prompt publishes its state
+where it parts from a cached one) against the engine with both switched off in this process (as
+before 2026-12-07: every scored prompt prefilled from its start), alternated, two rounds after
+one to warm up; fresh questions each time.
+
     python bench/scoring.py                                  # the demo model on the CPU
     python bench/scoring.py --model 1.5b --device cuda       # a random model of the released shape
+    python bench/scoring.py --choice --model 0.1b            # multiple choice, the 0.1B shape
 
 Prints progress to stderr and a Markdown table to stdout.
 """
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -25,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replicas.engine import Engine, EngineConfig, Request  # noqa: E402
+from replicas.engine import Engine, EngineConfig, Request, _Row  # noqa: E402
 from replicas.sampling import SamplingParams  # noqa: E402
 
 SHAPES = ("0.1b", "1.5b", "7.2b")
@@ -71,6 +82,74 @@ async def prompt_rate(engine: Engine, prompts: list[list[int]], params: Sampling
     return sum(map(len, prompts)) / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def as_before(engine: Engine):
+    """The engine with scored prompts' cached states and branch points switched off."""
+    reused, reach = _Row.reused, engine.cache.reach
+    _Row.reused = property(lambda row: () if row.scored is not None else row.request.prompt)
+    engine.cache.reach = lambda namespace, tokens: 0
+    try:
+        yield
+    finally:
+        _Row.reused, engine.cache.reach = reused, reach
+
+
+async def evaluate(engine: Engine, prompts: list[list[int]], concurrency: int) -> float:
+    """Seconds to score every prompt, `concurrency` requests in flight (lm-eval's num_concurrent)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> None:
+        async with gate:
+            async for _ in engine.generate(Request(prompt, params)):
+                pass
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - start
+
+
+def multiple_choice(args, runner, tokenizer) -> None:
+    config = EngineConfig(max_slots=args.concurrency, max_waiting=args.concurrency, token_chunk_size=512,
+                          max_prefill_tokens=4096 if args.device == "cuda" else 1024)
+    engine = Engine(runner, tokenizer, config).start(say)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, runner.vocab_size, (n,), generator=gen).tolist()
+
+    cases = ("every choice prefilled (before)", "cached scores, branch points")
+    seconds: dict[str, list[float]] = {case: [] for case in cases}
+    prefilled: dict[str, int] = {}
+    try:
+        for round_ in range(3):
+            for case in cases:
+                lengths = torch.randint(1, 2 * args.answer, (args.questions * args.choices,), generator=gen).tolist()
+                prompts = [context + tokens(lengths.pop()) for context in (tokens(args.context)
+                           for _ in range(args.questions)) for _ in range(args.choices)]
+                prompts.sort(key=lambda p: (-len(p), p))  # lm-eval's order
+                before = engine.snapshot_stats()["counters"].get("prefilled_tokens", 0)
+                with as_before(engine) if case.endswith("(before)") else contextlib.nullcontext():
+                    took = asyncio.run(evaluate(engine, prompts, args.concurrency))
+                done = engine.snapshot_stats()["counters"].get("prefilled_tokens", 0) - before
+                say(f"[{args.model}] round {round_}, {case}: {took:.2f} s, {done:,} of "
+                    f"{sum(map(len, prompts)):,} prompt tokens prefilled")
+                if round_:
+                    seconds[case].append(took)
+                    prefilled[case] = done
+        engine.check_integrity()
+    finally:
+        engine.stop()
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"\n{args.model}, {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {args.questions} "
+          f"questions of {args.choices} choices, {args.context}-token contexts, {args.answer}-token answers, "
+          f"{args.concurrency} at a time (two rounds)\n")
+    print("| engine | seconds | prompt tokens prefilled (the last round) | speed-up |\n|---|---|---|---|")
+    base = sum(seconds[cases[0]])
+    for case, took in seconds.items():
+        print(f"| {case} | {' / '.join(f'{t:.2f}' for t in took)} | {prefilled[case]:,} | {base / sum(took):.2f}× |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", choices=["demo", *SHAPES])
@@ -79,12 +158,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads on the CPU (a served CPU replica's: "
                         "its num_cpus, 1 by default)")
+    parser.add_argument("--choice", action="store_true", help="a multiple-choice evaluation (above)")
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--choices", type=int, default=4)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--answer", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     say(f"[{args.model}] opening on {args.device}")
-    runner, tokenizer = open_runner(args.model, args.device, args.requests)
+    runner, tokenizer = open_runner(args.model, args.device, args.concurrency if args.choice else args.requests)
     if args.device == "cuda":
         runner.warm_up(say)
+    if args.choice:
+        multiple_choice(args, runner, tokenizer)
+        return
     config = EngineConfig(max_slots=args.requests, max_waiting=args.requests, token_chunk_size=512,
                           max_prefill_tokens=4096 if args.device == "cuda" else 1024)
     engine = Engine(runner, tokenizer, config).start(say)

@@ -15,9 +15,11 @@ and iterate its events. One step of the loop:
   4. plan prompt chunks within `max_prefill_tokens` (each at most `token_chunk_size`, ending on
      a cache checkpoint boundary, or where a waiting row's prompt parts from the row's) and run
      them on the runner (while rows decode, new prompts may wait up to `prefill_every` steps, so
-     that prompts of nearby steps share one call); a row that
-     scores its prompt (`prompt_logprobs`) starts from its start, never from a cached state, and
-     its chunks take a call of their own that gives the logits after every token;
+     that prompts of nearby steps share one call); a row whose prompt parts from a cached prefix
+     publishes its state where it parts, so that prompts of either branch start there; a row that
+     scores its prompt (`prompt_logprobs`) starts only from a cached state that keeps its tokens'
+     scores (prompt_scores.py), and its chunks take a call of their own that gives the logits
+     after every token;
   5. sample every row that has fresh logits (a row in JSON mode from the tokens its JSON allows
      next), and feed the rows that max_tokens does not end their tokens before the host reads
      them (one decode call, queued on a GPU behind the choice, with the tokens where the sampler
@@ -58,6 +60,7 @@ from .init_states import InitState, InitStateError
 from .json_grammar import Constraint, GrammarError, JsonGrammar
 from .model.state import RNNState
 from .output import OutputStream
+from .prompt_scores import PromptScores
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
 from .slots import Choice, Phase, SlotChoice, SlotTable
 from .state_cache import PrefixStateCache, Snapshot
@@ -279,7 +282,7 @@ class _Row:
     cached_tokens: int = 0
     logits: Tensor | None = None  # [V], the logits the next token is sampled (or was sampled) from
     fresh: bool = False  # logits not yet sampled from
-    scores: list[TokenLogprob] | None = None  # the prompt's logprobs so far (SamplingParams.prompt_logprobs)
+    scores: list[PromptScores] | None = None  # the scores of its consumed prompt tokens, in parts (prompt_logprobs)
     cancelled: bool = False
     admitted_at: int = 0  # the engine's step count when the row took its slot
     followed: bool = False  # waited for another row's prompt (_leader)
@@ -302,10 +305,22 @@ class _Row:
         return len(self.request.prompt)
 
     @property
+    def scored(self) -> int | None:
+        """The alternatives each of its prompt's tokens is scored with; None: a prompt not scored."""
+        return self.request.params.prompt_logprobs
+
+    @property
     def reused(self) -> Sequence[int]:
-        """The prompt as slots and the cache match it: none of it when its every token is to be
-        scored (a state from elsewhere would skip the logits that score them)."""
-        return () if self.request.params.prompt_logprobs is not None else self.request.prompt
+        """The prompt as slots, leaders and the cache match it. A scored prompt's without its last
+        token (its scores go out where its prefill ends, so it prefills one token at least), and
+        only a cached state that keeps its tokens' scores may stand for the rest (`scored`)."""
+        return self.request.prompt if self.scored is None else self.request.prompt[:-1]
+
+    @property
+    def continued(self) -> Sequence[int]:
+        """The prompt as an idle slot's tokens may continue it: none of a scored prompt's (a
+        slot keeps no scores)."""
+        return self.reused if self.scored is None else ()
 
 
 class Engine:
@@ -574,7 +589,7 @@ class Engine:
                 if not self._unpark(row):
                     break
                 continue
-            if self.cache.prefetch(row.namespace, row.reused, self._wake):
+            if self.cache.prefetch(row.namespace, row.reused, self._wake, row.scored):
                 held.append(self._waiting.popleft())
                 reading += 1
                 continue
@@ -582,9 +597,9 @@ class Engine:
                 row.followed = True
                 held.append(self._waiting.popleft())
                 continue
-            choice = self.slots.choose(row.namespace, row.reused)
+            choice = self.slots.choose(row.namespace, row.continued)
             if choice is None and self._park_for(row):
-                choice = self.slots.choose(row.namespace, row.reused)
+                choice = self.slots.choose(row.namespace, row.continued)
             if choice is None:
                 break
             self._waiting.popleft()
@@ -654,18 +669,20 @@ class Engine:
         prefix or idle slot would take it: the leader publishes its state at the prefix's end
         (`publish_at`), and the waiting row is admitted once that state is in the cache, instead of
         prefilling the same tokens beside it (`n` choices of one prompt, a burst of users'
-        questions after one long system prompt)."""
+        questions after one long system prompt). A scored row follows only a leader that scores
+        its prompt with as many alternatives or more, whose published state keeps the scores."""
         prompt = row.reused
         best = None
         for other in prefilling:
-            at = _common_prefix(prompt, other.request.prompt) if other.namespace == row.namespace else 0
+            same = other.namespace == row.namespace and (row.scored is None or (other.scored or -1) >= row.scored)
+            at = _common_prefix(prompt, other.request.prompt) if same else 0
             if at >= self.config.cache_min_tokens and at > len(other.consumed) and (best is None or at > best[0]):
                 best = (at, other)
         if best is None:
             return None
-        choice = self.slots.choose(row.namespace, prompt)
+        choice = self.slots.choose(row.namespace, row.continued)
         held = len(choice.prefix) if choice is not None and choice.kind is Choice.CONTINUE else 0
-        if max(held, self.cache.longest(row.namespace, prompt)) >= best[0]:
+        if max(held, self.cache.longest(row.namespace, prompt, row.scored)) >= best[0]:
             return None
         at, leader = best
         leader.publish_at.add(at)
@@ -683,6 +700,10 @@ class Engine:
             self.cache.insert(namespace, tokens, Snapshot(self.runner.read_state(slot), logits))
 
     def _load_start_state(self, row: _Row, continued: tuple[int, ...] | None) -> None:
+        """The row's slot gets the state it starts from: the slot's own (`continued`), the cache's
+        longest prefix, its init state or zeros. Where its prompt parts from a cached prefix
+        further on, its state there will be published (a branch point: the next prompt of either
+        branch starts there)."""
         prompt = list(row.request.prompt)
         if continued is not None and self.cache.longest(row.namespace, prompt) > len(continued):
             continued = None  # a longer prefix is cached (one moved here from another replica, say)
@@ -690,18 +711,23 @@ class Engine:
             start = len(continued)
             self.stats["continued_tokens"] += start
         else:
-            snapshot, start = self.cache.match(row.namespace, row.reused)
+            snapshot, start = self.cache.match(row.namespace, row.reused, row.scored)
             if snapshot is not None:
                 self.runner.write_state(row.slot, snapshot.state)
-                if start == len(prompt):  # an exact hit: the cached logits give the first token
-                    row.logits, row.fresh = snapshot.logits, True
+                row.logits = snapshot.logits  # an exact hit's first token is sampled from them
+                row.fresh = start == len(prompt)
+                if row.scored is not None:
+                    row.scores = [snapshot.scores.head(start, row.scored)]
             elif row.init is not None:
                 self.runner.write_state(row.slot, row.init.state)
             else:
                 self.runner.reset(row.slot)
         row.consumed, row.todo, row.cached_tokens = prompt[:start], prompt[start:], start
-        if row.request.params.prompt_logprobs is not None:
+        if row.scored is not None and row.scores is None:
             row.scores = []
+        branch = self.cache.reach(row.namespace, prompt)
+        if branch < len(prompt) and branch - start >= self.config.cache_min_tokens:
+            row.publish_at.add(branch)
         if not row.todo:
             self.slots.start_generating(row.slot)
 
@@ -751,7 +777,7 @@ class Engine:
             if every is not None:
                 per_row = every.split([len(chunk) for _, chunk in scored])
                 for (row, chunk), logits in zip(scored, per_row, strict=True):
-                    row.scores += self._scores(row, chunk, logits)
+                    row.scores.append(PromptScores.of(chunk, row.logits, logits, row.scored))
                 self._prefilled(scored, [logits[-1].clone() for logits in per_row])  # (not views of it all)
 
     def _prefill_call(self, kind: str, plan: list[tuple[_Row, list[int]]]) -> Tensor | None:
@@ -771,7 +797,7 @@ class Engine:
             if row.todo:
                 continue
             if row.scores is not None:
-                self._deliver(row, Delta("", (), None, tuple(row.scores)))
+                self._deliver(row, Delta("", (), None, self._joined_scores(row).entries(row.consumed)))
                 row.scores = None
             if row.request.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
                 self._finish(row, "length")
@@ -779,21 +805,11 @@ class Engine:
             row.fresh = True
             self.slots.start_generating(row.slot)
 
-    def _scores(self, row: _Row, chunk: list[int], logits: Tensor) -> list[TokenLogprob]:
-        """The chunk's tokens' logprobs (and the top prompt_logprobs alternatives), each by the
-        logits before it: the row's last (none before the prompt's first token), then the chunk's
-        own but its last. The model's distribution as it is: no temperature, penalty or bias."""
-        before = logits[:-1] if row.logits is None else torch.cat([row.logits[None], logits[:-1]])  # (fp32 both)
-        scored = chunk[len(chunk) - before.shape[0]:]
-        logprobs = torch.log_softmax(before, dim=-1)
-        index = torch.tensor(scored, dtype=torch.int64, device=logprobs.device)
-        chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
-        k = row.request.params.prompt_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
-        out = [TokenLogprob(chunk[0], None)] if len(scored) < len(chunk) else []
-        for token, lp, ids, lps in zip(scored, chosen, top_ids.tolist(), top_lp.tolist(), strict=True):
-            out.append(TokenLogprob(token, lp, tuple(zip(map(int, ids), lps, strict=True))))
-        return out
+    @staticmethod
+    def _joined_scores(row: _Row) -> PromptScores:
+        """The row's prompt scores so far as one (kept so: the parts are joined once)."""
+        row.scores = [PromptScores.join(row.scores)]
+        return row.scores[0]
 
     def _run_decode(self, rows: list[_Row], tokens: Tensor) -> tuple[list[_Row], Tensor] | None:
         """Feeds the sampled rows that max_tokens does not end their tokens (`tokens`, one a row, on
@@ -942,12 +958,16 @@ class Engine:
             log.exception("resetting slot %d failed", slot)
 
     def _publish(self, row: _Row) -> None:
-        """Caches the state after the row's consumed tokens, with the logits that follow them."""
-        if len(row.consumed) < self.config.cache_min_tokens or self.cache.contains(row.namespace, row.consumed):
+        """Caches the state after the row's consumed tokens, with the logits that follow them, and
+        their scores while it scores its prompt and has consumed only that."""
+        scores = self._joined_scores(row) if row.scores is not None else None
+        scored = scores.k if scores is not None else None
+        if len(row.consumed) < self.config.cache_min_tokens or self.cache.contains(row.namespace, row.consumed, scored):
             return
         logits = row.logits.clone()
         row.logits = logits  # the row and the cache now share one immutable copy
-        self.cache.insert(row.namespace, row.consumed, Snapshot(self.runner.read_state(row.slot), logits))
+        snapshot = Snapshot(self.runner.read_state(row.slot), logits, scores=scores)
+        self.cache.insert(row.namespace, row.consumed, snapshot)
 
     # -- init states and inspection (engine thread, through `call`) ---------------------------
 

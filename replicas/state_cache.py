@@ -2,7 +2,9 @@
 
 An RWKV state of any prefix is a fixed-size snapshot, so a prompt that extends a cached prefix
 skips that prefix's prefill entirely; a snapshot keeps the logits after its prefix too, so an
-exact hit needs no model call at all.
+exact hit needs no model call at all, and where a prompt that scored its tokens made it, their
+scores (prompt_scores.py), which a later prompt scoring the same prefix takes with the state. The
+scores stay in memory: a state written to the disk tier leaves them.
 
 Owns: one radix trie of token prefixes per namespace (an init state), the snapshots, up to three
 tiers with byte budgets (device memory, host memory, then optionally files: a snapshot evicted
@@ -37,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .model.state import RNNState, host_tensor
+from .prompt_scores import PromptScores
 from .state_files import WRITE_QUEUE, DiskTier, StateFile, file_bytes
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class Snapshot:
     state: RNNState  # one row
     logits: Tensor  # [V] fp32, the next-token logits after the prefix
     ready: torch.cuda.Event | None = None  # an asynchronous copy into these tensors ends here
+    scores: PromptScores | None = None  # the prefix's tokens' scores (host tensors), where a scored prompt made it
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +70,7 @@ class Snapshot:
 
     def to(self, device: torch.device | str) -> Snapshot:
         self.wait()
-        return Snapshot(self.state.to(device), self.logits.to(device))
+        return Snapshot(self.state.to(device), self.logits.to(device), scores=self.scores)
 
     def wait(self) -> None:
         """Returns once the tensors may be read on the host."""
@@ -130,8 +134,18 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        """What the entry counts against its tier's budget."""
-        return self.file.nbytes if self.tier == DISK else self.snapshot.nbytes
+        """What the entry counts against its tier's budget (a file keeps the state, not its scores)."""
+        if self.tier == DISK:
+            return self.file.nbytes
+        return self.snapshot.nbytes + (self.snapshot.scores.nbytes if self.snapshot.scores is not None else 0)
+
+    def scored(self, k: int | None) -> bool:
+        """Whether the entry serves a prompt that scores its tokens with k alternatives (None: one
+        that does not): its scores are in memory, with k or more."""
+        if k is None:
+            return True
+        scores = self.snapshot.scores if self.snapshot is not None else None
+        return scores is not None and scores.k >= k
 
 
 class _Node:
@@ -148,10 +162,11 @@ class _Trie:
     def __init__(self) -> None:
         self.root = _Node()
 
-    def longest(self, tokens: tuple[int, ...]) -> tuple[_Entry | None, int]:
+    def longest(self, tokens: tuple[int, ...], k: int | None = None) -> tuple[_Entry | None, int]:
+        """The longest prefix of tokens with an entry that serves k (_Entry.scored), and its length."""
         node, i, best = self.root, 0, (None, 0)
         while True:
-            if node.entry is not None:
+            if node.entry is not None and node.entry.scored(k):
                 best = (node.entry, i)
             if i == len(tokens) or tokens[i] not in node.edges:
                 return best
@@ -159,6 +174,18 @@ class _Trie:
             if tokens[i : i + len(label)] != label:
                 return best
             node, i = child, i + len(label)
+
+    def reach(self, tokens: tuple[int, ...]) -> int:
+        """How far tokens run along the trie's keys: where they part from every cached prefix
+        they share a start with."""
+        node, i = self.root, 0
+        while i < len(tokens) and tokens[i] in node.edges:
+            label, child = node.edges[tokens[i]]
+            common = _common_prefix(label, tokens[i:i + len(label)])
+            if common < len(label):
+                return i + common
+            node, i = child, i + common
+        return i
 
     def insert(self, tokens: tuple[int, ...], entry: _Entry) -> _Entry | None:
         """Places entry at tokens; returns the entry it replaced, if any."""
@@ -343,8 +370,10 @@ class PrefixStateCache:
         if disk is not None:
             self._adopt(disk)
 
-    def match(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
-        """Longest cached prefix of tokens: (snapshot, its length), or (None, 0).
+    def match(self, namespace: str, tokens: Sequence[int], scored: int | None = None) -> tuple[Snapshot | None, int]:
+        """Longest cached prefix of tokens: (snapshot, its length), or (None, 0). With `scored`
+        (a prompt that scores its tokens with that many alternatives), only a snapshot whose
+        scores have as many or more (Snapshot.scores).
 
         Counts the lookup and refreshes the entry's LRU place; a host-tier hit moves back to the
         device tier. The snapshot is shared: copy it into a slot, never modify it.
@@ -352,7 +381,7 @@ class PrefixStateCache:
         self._collect_writes()
         self.metrics.lookups += 1
         trie = self.tries.get(namespace)
-        entry, length = trie.longest(tuple(tokens)) if trie else (None, 0)
+        entry, length = trie.longest(tuple(tokens), scored) if trie else (None, 0)
         if entry is None:
             self.metrics.misses += 1
             return None, 0
@@ -361,12 +390,13 @@ class PrefixStateCache:
         self._place(entry, DEVICE)
         return entry.snapshot, length
 
-    def prefetch(self, namespace: str, tokens: Sequence[int], ready: Callable[[], None]) -> bool:
+    def prefetch(self, namespace: str, tokens: Sequence[int], ready: Callable[[], None],
+                 scored: int | None = None) -> bool:
         """Whether the longest cached prefix of tokens is a file being read, its read started now if
         it was not: a request for it waits, and `ready` is called (on the reading thread) once the
         snapshot is in host memory, where the next match finds it. Changes nothing else."""
         trie = self.tries.get(namespace)
-        entry, _ = trie.longest(tuple(tokens)) if trie else (None, 0)
+        entry, _ = trie.longest(tuple(tokens), scored) if trie else (None, 0)
         if entry is None or entry.snapshot is not None:
             return False
         if entry.reading is None:
@@ -385,9 +415,9 @@ class PrefixStateCache:
             self._drop(entry)
         return False
 
-    def contains(self, namespace: str, tokens: Sequence[int]) -> bool:
-        """Whether exactly this prefix is cached. Changes nothing, counts nothing."""
-        return bool(tokens) and self.longest(namespace, tokens) == len(tokens)
+    def contains(self, namespace: str, tokens: Sequence[int], scored: int | None = None) -> bool:
+        """Whether exactly this prefix is cached (`scored`: as `match`). Changes nothing, counts nothing."""
+        return bool(tokens) and self.longest(namespace, tokens, scored) == len(tokens)
 
     def insert(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
         """Caches a snapshot (the cache keeps it; the caller hands over ownership).
@@ -397,9 +427,11 @@ class PrefixStateCache:
         """
         self._collect_writes()
         tokens = tuple(tokens)
-        if not tokens or snapshot.nbytes > self.budget[DEVICE]:
+        if not tokens:
             return False
         entry = _Entry(namespace, tokens, snapshot.to(self.device), DEVICE)
+        if entry.nbytes > self.budget[DEVICE]:
+            return False
         old = self.tries.setdefault(namespace, _Trie()).insert(tokens, entry)
         if old is not None:
             self._unaccount(old)
@@ -448,10 +480,18 @@ class PrefixStateCache:
         self._places.reserve(like)
         return self._places.pinned
 
-    def longest(self, namespace: str, tokens: Sequence[int]) -> int:
-        """The length of the longest cached prefix of tokens (0: none). Changes nothing, counts nothing."""
+    def longest(self, namespace: str, tokens: Sequence[int], scored: int | None = None) -> int:
+        """The length of the longest cached prefix of tokens (0: none; `scored`: as `match`).
+        Changes nothing, counts nothing."""
         trie = self.tries.get(namespace)
-        return trie.longest(tuple(tokens))[1] if trie else 0
+        return trie.longest(tuple(tokens), scored)[1] if trie else 0
+
+    def reach(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many of tokens' first tokens some cached prefix begins with: where the tokens part
+        from every cached prefix (a state there is one that prompts of both branches start from).
+        Changes nothing, counts nothing."""
+        trie = self.tries.get(namespace)
+        return trie.reach(tuple(tokens)) if trie else 0
 
     def export(self, namespace: str, tokens: Sequence[int]) -> tuple[Snapshot | Future[Snapshot] | None, int]:
         """A host copy of the longest cached prefix's snapshot, to move it to another engine, and
@@ -540,7 +580,7 @@ class PrefixStateCache:
     def _enforce_budgets(self) -> None:
         while self.metrics.bytes[DEVICE] > self.budget[DEVICE]:
             _, oldest = next(iter(self.lru[DEVICE].items()))
-            if self._make_room(oldest.snapshot.nbytes):
+            if self._make_room(oldest.nbytes):
                 self.metrics.demotions += 1
                 self._move(oldest, HOST)
                 continue
@@ -657,6 +697,7 @@ class PrefixStateCache:
         if taken is None:
             return snapshot.to("cpu"), None
         host, place = taken
+        host.scores = snapshot.scores
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the snapshot's tensors are written
         with torch.cuda.stream(self._stream):
             for dst, src in zip(host.tensors(), snapshot.tensors(), strict=True):
@@ -671,7 +712,7 @@ class PrefixStateCache:
         if host.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(host.ready)
         return Snapshot(RNNState(*(t.to(self.device, non_blocking=True) for t in host.state.tensors())),
-                        host.logits.to(self.device, non_blocking=True))
+                        host.logits.to(self.device, non_blocking=True), scores=host.scores)
 
     def _release(self, entry: _Entry) -> None:
         """Gives entry's pinned place back: the copies that may still read it (a promotion, on the

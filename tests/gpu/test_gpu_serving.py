@@ -161,12 +161,16 @@ def test_scored_prompts_on_the_gpu_give_the_cpus_logprobs(model_dir):
     """Prompts scored token by token (echo with logprobs) through the engine in its own process on
     the GPU, beside rows that generate: the prompt tokens' logprobs within the exactness bar of the
     CPU model's fp32 math (‖Δ‖/‖ref‖ ≤ 1e-2), the first token's none, the top alternative the
-    CPU's where it is not near a tie. The long prompt takes two calls of the large path."""
+    CPU's where it is not near a tie. The long prompt takes two calls of the large path. Then two
+    more choices after one context, one after the other: the second parts from the first and
+    publishes its state there, and the third starts from it, with the context's cached scores."""
     from replicas.model.rwkv7 import Rows
     from replicas.model.state import RNNState
 
     runner, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
-    prompts = ["".join(PYTHON_PROMPTS) * 4, PROMPTS[-1]]  # a long one (two chunks of 256), a short one
+    context = "".join(PYTHON_PROMPTS[:3])
+    choices = [context + answer for answer in (" return 0", " print(x)", " pass")]
+    prompts = ["".join(PYTHON_PROMPTS) * 4, PROMPTS[-1], choices[0]]  # a long one (two chunks of 256), short ones
     config = EngineConfig(max_slots=4, token_chunk_size=256, max_prefill_tokens=512)
     engine, _, _ = EngineProcess.open(model_dir, "cuda", config)
 
@@ -186,10 +190,13 @@ def test_scored_prompts_on_the_gpu_give_the_cpus_logprobs(model_dir):
 
     try:
         entries = asyncio.run(everything())[:len(prompts)]
+        entries += [asyncio.run(one(choice, scored)) for choice in choices[1:]]
+        stats = engine.snapshot_stats()
         engine.check_integrity()
     finally:
         engine.stop()
-    for prompt, got in zip(prompts, entries, strict=True):
+    assert stats["cache"]["hit_tokens"] >= len(tokenizer.encode(context)) - 1
+    for prompt, got in zip(prompts + choices[1:], entries, strict=True):
         ids = tokenizer.encode(prompt)
         with torch.no_grad():
             logits, _ = runner.model(torch.tensor(ids), Rows([len(ids)]), RNNState.zeros(runner.config, 1),

@@ -183,6 +183,29 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, tokenizer)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", bad
 
 
+def test_multiple_choice_takes_the_contexts_scores_from_the_cache(client, tokenizer):
+    """lm-eval's multiple choice, a request a choice: the first two choices are scored from their
+    start, and the second publishes its state where it parts from the first; the third and fourth
+    start there (`cached_tokens`), with the context's scores as the first choice had them."""
+    context = tokenizer.encode("# multiple choice, served\nimport os\nimport sys\n\ndef main(argv):\n"
+                               "    parser = argparse.ArgumentParser(description=__doc__)\n"
+                               "    parser.add_argument('--verbose', action='store_true')\n    ")
+    assert len(context) >= 40
+    answers = [tokenizer.encode(a) for a in ("return 0", "print(argv)", "pass", "raise SystemExit(1)")]
+    assert len({a[0] for a in answers}) == 4
+    bodies = [complete(client, prompt=context + a, echo=True, logprobs=1, max_tokens=1, temperature=0)
+              for a in answers]
+    assert [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies] == [0, 0, *[len(context)] * 2]
+    first = bodies[0]["choices"][0]["logprobs"]
+    for body, answer in zip(bodies[1:], answers[1:], strict=True):
+        lp = body["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(context) + len(answer) + 1
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:len(context)] == pytest.approx(first["token_logprobs"][1:len(context)], abs=1e-5)
+        for got, want in zip(lp["top_logprobs"][1:len(context)], first["top_logprobs"][1:len(context)], strict=True):
+            assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+
+
 def test_stop_string_ends_the_text_before_it(client):
     free = complete(client, prompt="Numbers:", max_tokens=30, temperature=0)["choices"][0]["text"]
     stop = free[5:8]

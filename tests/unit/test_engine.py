@@ -865,6 +865,99 @@ def test_prompt_logprobs_score_every_prompt_token_by_the_model(parts):
         engine.stop()
 
 
+async def _scored(engine: Engine, prompt: list[int], k: int, max_tokens: int = 0):
+    """(the prompt's entries, the Started event) of a prompt scored with k alternatives."""
+    entries = started = None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=k)
+    async for event in engine.generate(Request(prompt, params)):
+        if isinstance(event, Started):
+            started = event
+        elif isinstance(event, Delta) and event.prompt_logprobs:
+            entries = event.prompt_logprobs
+    return entries, started
+
+
+def _assert_scores(parts, prompt, entries, k):
+    ref = _reference_logprobs(parts, prompt)
+    assert [e.token_id for e in entries] == prompt and entries[0].logprob is None
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    for i, entry in enumerate(entries[1:]):
+        top_lp, top_ids = ref[i].topk(k)
+        assert len(entry.top) == k and [t for t, _ in entry.top] == top_ids.tolist()
+
+
+def test_scored_prompts_take_a_cached_prefix_with_its_scores(parts):
+    """lm-evaluation-harness's multiple choice, one choice after another: each choice is the
+    question's context and an answer. The context was cached unscored (a completion of it), which
+    the first choice does not take: it is scored from its start, and publishes its state, with
+    scores, where it parts from the cached context. The others take that state and the context's
+    scores from the cache and run the model over their answers only, with the scores the model
+    gives the whole prompt. A cached state with fewer alternatives than asked is not taken."""
+    tok = parts[1]
+    context = tok.encode("".join(PROMPTS[:2]))
+    answers = [tok.encode(text) for text in (" yes", " no", " maybe so", " never")]
+    assert len(context) > 20
+    engine = make_engine(parts, checkpoint_interval=10_000)
+    try:
+        run(collect(engine, Request(context, SamplingParams(max_tokens=1))))  # the context's state, no scores
+        starts = []
+        for answer, k in zip(answers, (2, 2, 1, 2), strict=True):
+            entries, started = run(_scored(engine, context + answer, k))
+            _assert_scores(parts, context + answer, entries, k)
+            starts.append(started.cached_tokens)
+        entries, started = run(_scored(engine, context + answers[0], 3))  # more alternatives than cached
+        _assert_scores(parts, context + answers[0], entries, 3)
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    assert starts == [0, len(context), len(context), len(context)] and started.cached_tokens == 0
+    assert stats["counters"]["prefilled_tokens"] == 3 * len(context) + sum(map(len, answers)) + len(answers[0])
+
+
+def test_a_prompt_that_parts_from_a_cached_one_publishes_its_state_there(parts):
+    """Questions after one system prompt, one at a time: the second parts from the first at the
+    question and publishes its state there, so the third and fourth prefill their questions only,
+    with the tokens a fresh engine gives them. No branch point is published for a few tokens."""
+    tok = parts[1]
+    system = tok.encode(PROMPTS[0])
+    questions = [tok.encode(PROMPTS[i]) for i in (1, 2, 3, 4)]
+    engine = make_engine(parts, checkpoint_interval=10_000)
+    try:
+        results = [run(collect(engine, Request(system + q, GREEDY))) for q in questions]
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    assert [r.started.cached_tokens for r in results] == [0, 0, len(system), len(system)]
+    assert stats["counters"]["prefilled_tokens"] == 2 * len(system) + sum(map(len, questions))
+    for q, result in zip(questions, results, strict=True):
+        assert result.tokens == cold_tokens(parts, system + q)
+
+
+def test_scored_prompts_at_once_follow_one_prefill_of_their_context(parts):
+    """The same choices sent together (lm-eval sends a batch as one request): the first admitted
+    leads, the others wait for its state where their prompts part from its and take its scores
+    of the context with it."""
+    tok = parts[1]
+    context = tok.encode("".join(PROMPTS[:2]))
+    answers = [tok.encode(text) for text in (" yes", " no", " maybe so", " never")]
+    engine = make_engine(parts, checkpoint_interval=10_000)
+    try:
+        async def together():
+            return await asyncio.gather(*(_scored(engine, context + a, 1, max_tokens=2) for a in answers))
+
+        results = run(together())
+        stats = settle(engine)
+    finally:
+        engine.stop()
+    for answer, (entries, _) in zip(answers, results, strict=True):
+        _assert_scores(parts, context + answer, entries, 1)
+    assert sorted(started.cached_tokens for _, started in results) == [0, len(context), len(context), len(context)]
+    assert stats["counters"]["prefilled_tokens"] == len(context) + sum(map(len, answers))
+    assert stats["counters"]["followed_prompts"] == 3
+
+
 def test_prompt_logprobs_from_an_init_state(parts):
     tok = parts[1]
     persona, prompt = tok.encode("# A small HTTP server.\n"), tok.encode("import socket\nimport os\n")

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from replicas import state_files
 from replicas.model.config import ModelConfig
 from replicas.model.state import RNNState, host_tensor
+from replicas.prompt_scores import PromptScores
 from replicas.state_cache import PrefixStateCache, Snapshot, prefix_key
 from replicas.state_files import WRITE_QUEUE, DiskTier
 
@@ -105,6 +106,58 @@ def test_random_operations_keep_the_books_balanced():
         else:
             cache.drop_namespace(ns)
         cache.check_integrity()
+
+
+def scores(n: int, k: int) -> PromptScores:
+    return PromptScores(torch.zeros(n), torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, k))
+
+
+def scored_snap(value: float, n: int, k: int) -> Snapshot:
+    snapshot = snap(value)
+    snapshot.scores = scores(n, k)
+    return snapshot
+
+
+def test_scored_entries_serve_prompts_that_score_as_many_alternatives_or_fewer():
+    cache = PrefixStateCache(100 * SIZE, 100 * SIZE)
+    cache.insert("", [1, 2, 3], scored_snap(3, 3, k=2))
+    cache.insert("", [1, 2, 3, 4, 5], snap(5))  # no scores
+    query = [1, 2, 3, 4, 5, 6]
+    assert cache.match("", query)[1] == 5  # a prompt that is not scored takes any
+    found, n = cache.match("", query, scored=1)
+    assert n == 3 and found.scores.k == 2 and len(found.scores) == 3
+    assert cache.match("", query, scored=2)[1] == 3 and cache.match("", query, scored=3) == (None, 0)
+    assert cache.contains("", [1, 2, 3], scored=0) and not cache.contains("", [1, 2, 3, 4, 5], scored=0)
+    assert cache.longest("", query, scored=2) == 3 and cache.longest("", query) == 5
+    assert cache.metrics.bytes["device"] == 2 * SIZE + scores(3, 2).nbytes
+    cache.check_integrity()
+
+
+def test_reach_is_where_tokens_part_from_every_cached_prefix():
+    cache = PrefixStateCache(100 * SIZE, 100 * SIZE)
+    cache.insert("", [1, 2, 3, 4, 5], snap(5))
+    cache.insert("", [1, 2, 9, 9], snap(9))
+    reach = {(1, 2, 3, 7): 3, (1, 2, 9, 8): 3, (1, 2, 3, 4, 5, 6): 5, (1, 2): 2, (1, 5): 1, (7,): 0}
+    assert {q: cache.reach("", q) for q in reach} == reach
+    assert cache.reach("other-namespace", [1, 2, 3]) == 0
+
+
+def test_a_scored_state_keeps_its_scores_in_memory_and_leaves_them_on_disk(tmp_path):
+    big = 2 * SIZE  # (a scored snapshot counts its scores: more than SIZE)
+    cache = PrefixStateCache(big, big, disk=DiskTier(tmp_path / "states", "m"), disk_bytes=4 * FILE)
+    cache.insert("", [1, 1], scored_snap(1, 2, k=1))
+    cache.insert("", [2, 2], snap(2))
+    cache.insert("", [3, 3], snap(3))  # [1, 1] goes to the host tier with its scores
+    assert cache.match("", [1, 1, 7], scored=1)[1] == 2  # and back to the device
+    for i in (4, 5, 6, 7):
+        cache.insert("", [i, i], snap(i))  # [1, 1] down to the disk tier
+    cache.disk.flush()
+    cache.check_integrity()
+    assert cache.metrics.entries["disk"] >= 1 and cache.match("", [1, 1, 7], scored=1) == (None, 0)
+    found, n = cache.match("", [1, 1, 7])
+    assert n == 2 and found.scores is None and found.logits[0].item() == 1
+    cache.check_integrity()
+    cache.clear()
 
 
 def test_prefix_keys_stay_the_same_across_versions():
