@@ -346,7 +346,12 @@ def test_stress_random_submit_cancel_finish_leaks_nothing(parts, calls_queue):
     outcomes = {"busy": 0, "done": 0, "cancelled": 0}
     try:
         async def stress():
-            tasks: list[asyncio.Task] = []
+            # rows of the least urgent priority hold every slot first: the first request that comes
+            # parks one, whatever the timing of the rest
+            held = Request(tok.encode(PROMPTS[0]), SamplingParams(max_tokens=200, temperature=0.0), priority=2)
+            tasks = [asyncio.create_task(_drain(engine.submit(held))) for _ in range(3)]
+            while engine.snapshot_stats()["running"] < 3:
+                await asyncio.sleep(0.001)
             for _ in range(500):
                 action = rng.random()
                 live = [t for t in tasks if not t.done()]
