@@ -1,10 +1,12 @@
-"""What JSON mode costs on the host, and in the engine on the CPU, side by side in one run.
+"""What JSON mode (and a pattern: structured outputs' choice and regex) costs on the host, and in the
+engine on the CPU, side by side in one run.
 
 1. The constraints alone, for the World vocabulary (65,536 tokens) and the demo model's (4,096):
    the grammar's build (the tokens' trie), then for each kind of constraint (any object; a schema
    pydantic writes for a model with a list of nested objects, a dict and an optional field; one
    with a pattern, a length, a date-time, bounded numbers and a uuid; tool_choice "auto" over two
-   tools; up to 8 parallel calls of them) random texts it allows, drawn a token at a time uniformly
+   tools; up to 8 parallel calls of them; a choice of four texts; a regex of codes) random texts it
+   allows (a pattern's end at end of text, where it is allowed), drawn a token at a time uniformly
    among the allowed ones (a random model's worst case: more states than a trained model's), up
    to 200 tokens each: masks made and their cost, and the cost of advancing a state by a token.
 2. The engine on the CPU with the demo model (no Ray), in a steady state (bench/engine_cpu.py's:
@@ -38,6 +40,7 @@ from engine_cpu import steady_rate  # noqa: E402 (bench/engine_cpu.py, beside th
 
 from replicas.engine import Engine, EngineConfig  # noqa: E402
 from replicas.json_grammar import JsonGrammar, unpack  # noqa: E402
+from replicas.json_regex import choice_pattern  # noqa: E402
 from replicas.model.checkpoint import WORLD_VOCAB  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
 from replicas.sampling import SamplingParams  # noqa: E402
@@ -79,6 +82,8 @@ KINDS = {  # label -> SamplingParams fields
     "constrained values (pydantic)": {"json_schema": json.dumps(Booking.model_json_schema())},
     'tool_choice "auto"': {"json_schema": json.dumps(TOOLS), "json_or_text": True},
     "parallel tool calls": {"json_schema": json.dumps(TOOLS), "json_texts": 8},
+    "a choice of 4 texts": {"text_pattern": choice_pattern(["positive", "negative", "neutral", "mixed feelings"])},
+    "a regex": {"text_pattern": r"[A-Z]{2}-\d{3}(, [A-Z]{2}-\d{3})*"},
 }
 
 
@@ -94,7 +99,7 @@ def constraints(vocab: str, texts: int) -> list[dict]:
     rows = []
     for label, fields in KINDS.items():
         constraint = grammar.constraint(fields.get("json_schema"), fields.get("json_or_text", False),
-                                        fields.get("json_texts", 1))
+                                        fields.get("json_texts", 1), fields.get("text_pattern"))
         rng, advance_s, tokens, ended = random.Random(0), 0.0, 0, 0
         grammar.stats.clear()
         for _ in range(texts):
@@ -106,7 +111,7 @@ def constraints(vocab: str, texts: int) -> list[dict]:
                 state = constraint.advance(state, token)
                 advance_s += time.perf_counter() - started
                 tokens += 1
-                if constraint.free(state) or constraint.done(state):
+                if state is None or constraint.free(state) or constraint.done(state):  # (None: end of text)
                     ended += 1
                     break
         made = grammar.stats["json_masks_made"]

@@ -417,7 +417,7 @@ class Engine:
         init = self.resolve_init_state(request.init_state)
         p = request.params
         try:
-            output = OutputStream(self.tokenizer, p, self._constraint(p) if p.json_mode else None)
+            output = OutputStream(self.tokenizer, p, self._constraint(p) if p.constrained else None)
         except GrammarError as err:
             raise InvalidRequest(str(err)) from None
         with self._lock:
@@ -547,7 +547,8 @@ class Engine:
             self._rows[row.uid] = row
             self._queue(row)
             self.stats["submitted"] += 1
-            self.stats["json_mode_requests"] += row.output.constraint is not None
+            self.stats["json_mode_requests"] += row.request.params.json_mode
+            self.stats["pattern_requests"] += row.request.params.text_pattern is not None
         elif kind == "cancel" and command[1] in self._rows:
             self._rows[command[1]].cancelled = True
         elif kind == "call":
@@ -906,12 +907,13 @@ class Engine:
         return [None if row.output.json is None else row.output.constraint.banned(row.output.json) for row in rows]
 
     def _constraint(self, params: SamplingParams) -> Constraint:
-        """A JSON mode request's constraint, from the tokenizer's JSON grammar, which the first
-        such request builds (any thread)."""
+        """A constrained request's constraint (JSON mode or a pattern), from the tokenizer's grammar,
+        which the first such request builds (any thread)."""
         with self._lock:
             if self._json is None:
                 self._json = JsonGrammar(self.tokenizer, self.runner.device)
-            return self._json.constraint(params.json_schema, params.json_or_text, params.json_texts)
+            return self._json.constraint(params.json_schema, params.json_or_text, params.json_texts,
+                                         params.text_pattern)
 
     def _logits_of(self, rows: list[_Row]) -> Tensor:
         """The rows' logits as one tensor: the last decode call's as they came when the rows are

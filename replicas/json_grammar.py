@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .json_regex import anchored, compile_pattern
 from .tokenizer import Tokenizer
 
 MAX_INDENT = 20
@@ -230,6 +231,9 @@ class Machine(Protocol):
     def done(self, state: Any) -> bool:
         """The text is whole: the row ends here."""
 
+    def may_end(self, state: Any) -> bool:
+        """The text is whole here but may go on: end of text is allowed (PatternMachine)."""
+
     def free(self, state: Any) -> bool:
         """Any text may follow: the constraint has let go of the row."""
 
@@ -248,7 +252,36 @@ class ObjectMachine:
     def done(self, state: State) -> bool:
         return state[1] == DONE
 
+    def may_end(self, state: State) -> bool:
+        return False
+
     def free(self, state: State) -> bool:
+        return False
+
+
+class PatternMachine:
+    """A text that a pattern matches whole (structured outputs' `regex`, and `choice` as one):
+    the pattern's automaton (json_regex.py), anchored at both ends whether it says so or not. The
+    row is done where the text matches and no byte goes on; where it matches and may go on, end of
+    text is allowed."""
+
+    def __init__(self, pattern: str):
+        self.regex = compile_pattern(anchored(pattern))
+        self.start = self.regex.start
+
+    def step(self, state: frozenset[int], b: int) -> frozenset[int] | None:
+        return self.regex.step(state, b)
+
+    def room(self, state: frozenset[int]) -> int:
+        return 0
+
+    def done(self, state: frozenset[int]) -> bool:
+        return self.regex.accepts(state) and self.regex.closed(state)
+
+    def may_end(self, state: frozenset[int]) -> bool:
+        return self.regex.accepts(state)
+
+    def free(self, state: frozenset[int]) -> bool:
         return False
 
 
@@ -284,6 +317,9 @@ class OrText:
 
     def done(self, state: Any) -> bool:
         return state != TEXT and state[0] == "json" and self.machine.done(state[1])
+
+    def may_end(self, state: Any) -> bool:
+        return False
 
     def free(self, state: Any) -> bool:
         return state == TEXT
@@ -324,6 +360,9 @@ class Several:
     def done(self, state: Any) -> bool:
         return state == END
 
+    def may_end(self, state: Any) -> bool:
+        return False
+
     def free(self, state: Any) -> bool:
         return False
 
@@ -344,14 +383,18 @@ class Constraint:
         return advance(state, data, self.machine) if data else None
 
     def done(self, state: Any) -> bool:
-        return self.machine.done(state)
+        """The row ends here: the machine says so, or it may end and there is no end-of-text token."""
+        return self.machine.done(state) or (self._grammar.eos is None and self.machine.may_end(state))
 
     def free(self, state: Any) -> bool:
         return self.machine.free(state)
 
     def allowed(self, state: Any) -> list[int]:
-        """The tokens whose bytes the machine takes from `state`."""
-        return self._grammar.trie.walk(self.machine, state)
+        """The tokens whose bytes the machine takes from `state`, and end of text where it may end."""
+        allowed = self._grammar.trie.walk(self.machine, state)
+        if self._grammar.eos is not None and self.machine.may_end(state):
+            allowed.append(self._grammar.eos)
+        return allowed
 
     def banned(self, state: Any) -> Tensor:
         """The tokens that may not come next, as bits on the grammar's device (uint8
@@ -389,22 +432,28 @@ class JsonGrammar:
 
     def __init__(self, tokenizer: Tokenizer, device: torch.device | str = "cpu"):
         self.vocab_size = tokenizer.vocab_size
+        self.eos = tokenizer.eos_token_id  # allowed where a pattern's text may end (PatternMachine)
         self.device = torch.device(device)
         self.token_bytes = [_token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
         self.trie = _Trie(self.token_bytes)
         # a machine may need any of these next, alone: without a token of its own a row could meet
         # a state that no token continues
         self.missing = bytes(sorted(JSON_BYTES - {data[0] for data in self.token_bytes if len(data) == 1}))
-        self._constraints: OrderedDict[tuple[str | None, bool, int], Constraint] = OrderedDict()
+        self._constraints: OrderedDict[tuple[str | None, bool, int, str | None], Constraint] = OrderedDict()
         self.stats: Counter[str] = Counter()  # masks made, and the time that took (the engine's counters show them)
 
-    def constraint(self, schema: str | None = None, or_text: bool = False, most: int = 1) -> Constraint:
+    def constraint(self, schema: str | None = None, or_text: bool = False, most: int = 1,
+                   pattern: str | None = None) -> Constraint:
         """None: any JSON object; else a JSON schema's text (json_schema.py; raises
         SchemaError for one it cannot follow). most > 1: up to that many, a line each (Several).
         or_text: that, or text that does not open with "{". Raises GrammarError where the
-        tokenizer lacks a single-byte token a machine may need."""
+        tokenizer lacks a single-byte token a machine may need. `pattern`: instead, a text the
+        pattern matches whole (PatternMachine; raises RegexError for one it cannot follow)."""
         from .json_schema import SchemaMachine  # noqa: PLC0415 (it builds on this module's machine)
 
+        if pattern is not None:
+            return _remembered(self._constraints, (None, False, 1, pattern),
+                               lambda: Constraint(PatternMachine(pattern), self), MEMO_SCHEMAS)
         if self.missing:
             raise GrammarError(f"JSON mode needs a token for each printable ASCII byte, newline and tab; this "
                                f"model's tokenizer has none for {self.missing.decode()!r}")
@@ -415,7 +464,7 @@ class JsonGrammar:
                 machine = Several(machine, most)
             return Constraint(OrText(machine) if or_text else machine, self)
 
-        return _remembered(self._constraints, (schema, or_text, most), make, MEMO_SCHEMAS)
+        return _remembered(self._constraints, (schema, or_text, most, None), make, MEMO_SCHEMAS)
 
 
 class _Trie:

@@ -1,5 +1,6 @@
 """JSON Schema's `pattern`, and the `format`s written as one, as byte-level automata for the
-strings of json_schema's machine.
+strings of json_schema's machine; and structured outputs' `regex` and `choice`, a whole reply's
+text (json_grammar.PatternMachine, `anchored`, `choice_pattern`).
 
 Owns reading a regular expression (RegexError names what it cannot follow) into a
 nondeterministic automaton over the bytes of a string's text, and the patterns of the formats it
@@ -22,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+from collections.abc import Sequence
 
 MAX_STATES = 4000  # an automaton's states ({n,m} copies its operand)
 MAX_REPEAT = 1000
@@ -60,6 +62,19 @@ FORMATS = {  # RFC 3339's date, time and date-time; RFC 4122's uuid; an address 
     # a URL as a parser writes it back (pydantic's HttpUrl checks maxLength after): a path from "/"
     "uri": rf"^https?://({_LABEL}\.)*{_TOP_LABEL}(:{_PORT})?/{_PATH}*(\?{_QUERY}*)?(#{_FRAGMENT}*)?$",
 }
+
+
+def anchored(pattern: str) -> str:
+    """The pattern as a whole-text match: ^(?:...)$ around it without its own ^ and $."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$") and not _escaped_at(body, len(body) - 1):
+        body = body[:-1]
+    return f"^(?:{body})$"
+
+
+def choice_pattern(choices: Sequence[str]) -> str:
+    """A pattern that matches exactly one of the texts (structured outputs' `choice`)."""
+    return "|".join("".join(f"\\{c}" if c.isascii() and not c.isalnum() else c for c in text) for text in choices)
 
 
 class RegexError(ValueError):
@@ -102,6 +117,10 @@ class Regex:
 
     def accepts(self, states: frozenset[int]) -> bool:
         return self._accept in states
+
+    def closed(self, states: frozenset[int]) -> bool:
+        """No byte goes on from the states."""
+        return not any(chars is not None for s in states for chars, _ in self._moves[s])
 
     def least(self, states: frozenset[int]) -> float:
         """The fewest characters that take the states to a match (inf: none do)."""

@@ -108,6 +108,9 @@ class SchemaMachine:
     def done(self, state: frozenset) -> bool:
         return any(lex[0] == DONE for _, lex in state)
 
+    def may_end(self, state: frozenset) -> bool:
+        return False
+
     def free(self, state: frozenset) -> bool:
         return False
 

@@ -3,7 +3,8 @@
 Owns detokenizing (never half a UTF-8 character), stop strings (text that could still become a
 stop string is held back, so a client never sees the start of one), stop tokens, end of text,
 max_tokens, and in JSON mode the row's place in its JSON object (json_grammar.py), which ends the
-row when the object closes. Never touches the model or the batch.
+row when the object closes (with a pattern, its place in the pattern's text). Never touches the
+model or the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Step(NamedTuple):
 
 class OutputStream:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, constraint: Constraint | None = None):
-        """constraint: a request in JSON mode's (the engine's grammar's, for params.json_schema)."""
+        """constraint: a constrained request's (the engine's grammar's: JSON mode, or a pattern)."""
         self.params = params
         self.constraint = constraint
         # JSON mode: the constraint's state after the tokens so far; None: not in JSON mode, or ended

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .json_grammar import unpack
+from .json_regex import RegexError, anchored, compile_pattern
 from .json_schema import schema_error
 
 MAX_LOGPROBS = 20
@@ -57,15 +58,21 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n others
-    prompt_logprobs: int | None = None  # None: off; n: each prompt token's logprob and the top n (no cache used)
+    prompt_logprobs: int | None = None  # None: off; n: each prompt token's logprob and the top n
     json_object: bool = False  # JSON mode: the output is one JSON object (json_grammar.py)
     json_schema: str | None = None  # JSON mode with a schema (its JSON text): an object it describes
     json_or_text: bool = False  # JSON mode only if the output opens with "{", else text (a tool call, "auto")
     json_texts: int = 1  # JSON mode: up to this many texts, a line each, a blank line ending fewer (parallel calls)
+    text_pattern: str | None = None  # the output is a text this pattern matches whole (json_regex.py's dialect)
 
     @property
     def json_mode(self) -> bool:
         return self.json_object or self.json_schema is not None
+
+    @property
+    def constrained(self) -> bool:
+        """JSON mode, or a pattern: a constraint bans the tokens that cannot go on (json_grammar.py)."""
+        return self.json_mode or self.text_pattern is not None
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +114,13 @@ class SamplingParams:
                 raise InvalidRequest(message, param)
         if self.json_schema is not None and (error := schema_error(self.json_schema)):
             raise InvalidRequest(f"json_schema: {error}", "response_format")
+        if self.text_pattern is not None:
+            if self.json_mode:
+                raise InvalidRequest("a pattern and JSON mode cannot be asked together", "structured_outputs")
+            try:
+                compile_pattern(anchored(self.text_pattern))
+            except RegexError as err:
+                raise InvalidRequest(f"structured_outputs: {err}", "structured_outputs") from None
 
 
 @dataclass(frozen=True)

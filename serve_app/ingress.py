@@ -240,7 +240,7 @@ class Ingress:
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           self.config.default_max_tokens)  # (0 is a 400, not the default)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        stop = [] if body.json_mode else self.config.chat.stop  # (a JSON reply ends where its object closes)
+        stop = [] if body.constrained else self.config.chat.stop  # (a JSON reply ends where its object closes)
         params = sampling_params_checked(body, max_tokens, stop, logprobs, self.model_config.vocab_size)
         requests, prompt_of = self._requests([prompt], body.n, params, init_state, body.priority)
         fmt = ChatFormat(body.model or self.model_name, len(requests), body.logprobs, tool_call=body.calls_tool,

@@ -6,7 +6,8 @@ and the mapping from request fields to the engine's `SamplingParams`. Never touc
 model or Ray.
 
 RWKV extensions to the request (all optional): `init_state` (the id or name of a loaded init
-state to start from), `top_k`, `min_p` and `priority` (vLLM's), `penalty_decay`, `stop_token_ids`,
+state to start from), `top_k`, `min_p`, `priority` and `structured_outputs` (vLLM's; with its
+older `guided_choice`, `guided_regex`, `guided_json`), `penalty_decay`, `stop_token_ids`,
 `ignore_eos`; and chat's `response_format` on completions too.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, model_serializer
 
+from replicas.json_regex import choice_pattern
 from replicas.json_schema import schema_error
 from replicas.sampling import MAX_JSON_TEXTS, MAX_LOGPROBS, SamplingParams
 
@@ -108,6 +110,26 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured outputs, one of: the reply is one of the texts of `choice`, a text that
+    `regex` matches whole, JSON that the schema `json` describes, or any JSON object
+    (`json_object`). Its other fields are ignored, but a grammar, which this server does not
+    follow, is refused."""
+
+    choice: list[str] | None = Field(None, min_length=1)
+    regex: str | None = None
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    grammar: Any = None
+    structural_tag: Any = None
+
+    def asked(self) -> list[str]:
+        """The fields set that ask for a constraint."""
+        return [name for name, value in (("choice", self.choice), ("regex", self.regex), ("json", self.json_),
+                                         ("json_object", self.json_object or None), ("grammar", self.grammar),
+                                         ("structural_tag", self.structural_tag)) if value is not None]
+
+
 class _Sampling(BaseModel):
     """Fields both generation endpoints take."""
 
@@ -134,19 +156,62 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     response_format: ResponseFormat | None = Field(
         None, description="{\"type\": \"json_object\"} for JSON mode (on completions too, as an extension)")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): {\"choice\": [texts]}, {\"regex\": pattern} (the reply is a text it "
+        "matches whole), {\"json\": schema} or {\"json_object\": true}")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name for structured_outputs.choice")
+    guided_regex: str | None = Field(None, description="vLLM's older name for structured_outputs.regex")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name for structured_outputs.json")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
+    def structured(self) -> StructuredOutputs | None:
+        """structured_outputs, or what its older fields ask; None when neither is set. Raises a
+        400 for two constraints at once (or one beside a JSON response_format), or a grammar."""
+        older = {"choice": self.guided_choice, "regex": self.guided_regex, "json": self.guided_json}
+        older = {k: v for k, v in older.items() if v is not None}
+        if older and self.structured_outputs is not None:
+            raise ApiError(400, "structured_outputs and guided_* cannot be asked together", param="structured_outputs")
+        found = self.structured_outputs or (StructuredOutputs(**older) if older else None)
+        if found is None:
+            return None
+        asked = found.asked()
+        if len(asked) > 1 or (asked and self.response_format is not None and self.response_format.type != "text"):
+            raise ApiError(400, "structured outputs ask for one constraint: one of choice, regex, json and "
+                           "json_object, and no JSON response_format beside it", param="structured_outputs")
+        if asked and asked[0] in ("grammar", "structural_tag"):
+            raise ApiError(400, f"structured_outputs.{asked[0]} is not followed here (choice, regex, json and "
+                           "json_object are)", param=f"structured_outputs.{asked[0]}")
+        return found if asked else None
+
+    @property
+    def text_pattern(self) -> str | None:
+        """The pattern the reply's text must match whole (structured outputs' regex or choice)."""
+        found = self.structured
+        if found is None or (found.choice is None and found.regex is None):
+            return None
+        return found.regex if found.choice is None else choice_pattern(found.choice)
+
+    @property
+    def constrained(self) -> bool:
+        """JSON mode or a pattern: the reply ends where its constraint does, not at chat's stop strings."""
+        return self.json_mode or self.text_pattern is not None
+
+    @property
     def json_object(self) -> bool:
-        return self.response_format is not None and self.response_format.type == "json_object"
+        found = self.structured
+        return (self.response_format is not None and self.response_format.type == "json_object") or bool(
+            found is not None and found.json_object)
 
     @property
     def json_mode(self) -> bool:
         """json_object or json_schema."""
-        return self.response_format is not None and self.response_format.type != "text"
+        found = self.structured
+        return (self.response_format is not None and self.response_format.type != "text") or (
+            found is not None and (found.json_object or found.json_ is not None))
 
     @property
     def json_or_text(self) -> bool:
@@ -161,6 +226,9 @@ class _Sampling(BaseModel):
     @property
     def json_schema(self) -> str | None:
         """The schema's JSON text (its properties' order kept: it is the order they are written in)."""
+        found = self.structured
+        if found is not None and found.json_ is not None:
+            return _schema_text(found.json_, "structured_outputs.json")
         fmt = self.response_format
         if fmt is None or fmt.type != "json_schema":
             return None
@@ -297,6 +365,9 @@ class ChatCompletionRequest(_Sampling, ChatTools):
                            param="tool_choice")
         if self.calls_tool and self.response_format is not None and self.response_format.type != "text":
             raise ApiError(400, "response_format and a tool call cannot be asked together", param="response_format")
+        if self.calls_tool and self.structured is not None:
+            raise ApiError(400, "structured outputs and a tool call cannot be asked together",
+                           param="structured_outputs")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -577,7 +648,21 @@ def sampling_params(req: _Sampling, max_tokens: int, extra_stop: list[str], logp
         json_schema=req.json_schema,
         json_or_text=req.json_or_text,
         json_texts=req.json_texts,
+        text_pattern=req.text_pattern,
     )
+
+
+def _schema_text(schema: dict[str, Any] | bool | str, param: str) -> str:
+    """A schema given as a value or as its JSON text, as JSON text it can follow; else a 400."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ApiError(400, f"{param} is not JSON", param=param) from None
+    text = json.dumps(schema)
+    if error := schema_error(text):
+        raise ApiError(400, f"{param}: {error}", param=param)
+    return text
 
 
 def _json_or_text(text: str) -> Any:

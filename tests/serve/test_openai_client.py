@@ -88,6 +88,47 @@ def test_structured_output_keeps_the_models_constraints(oai):
         assert 1 <= choice.message.parsed.nights <= 14
 
 
+def test_structured_outputs_choice_and_regex_as_vllm_takes_them(oai):
+    """vLLM's `structured_outputs` (and its older `guided_*` fields) through extra_body: a choice
+    is one of its texts, a regex's reply matches it whole, on chat (whose blank-line stop does not
+    cut them) and on completions, whole and streamed. A grammar, or two constraints, is a 400."""
+    import json
+    import re
+
+    choices = ["positive", "negative", "no opinion"]
+    for seed in (1, 2, 3):
+        chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Mood?"}],
+                                           max_tokens=20, seed=seed,
+                                           extra_body={"structured_outputs": {"choice": choices}})
+        assert chat.choices[0].message.content in choices and chat.choices[0].finish_reason == "stop"
+    older = oai.completions.create(model=MODEL_NAME, prompt="Mood:", max_tokens=20, seed=4,
+                                   extra_body={"guided_choice": choices})
+    assert older.choices[0].text in choices
+    pattern = r"[A-Z]{2}-\d{3}(\.\d)?"
+    for seed in (5, 6):
+        body = {"structured_outputs": {"regex": pattern}}
+        text = oai.completions.create(model=MODEL_NAME, prompt="Code:", max_tokens=12, seed=seed,
+                                      extra_body=body).choices[0]
+        assert re.fullmatch(pattern, text.text) and text.finish_reason == "stop", text
+        streamed = oai.completions.create(model=MODEL_NAME, prompt="Code:", max_tokens=12, seed=seed, stream=True,
+                                          extra_body=body)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text.text
+    for extra, param in [({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+                         ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+                         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "structured_outputs"),
+                         ({"guided_regex": "(?=a)"}, "structured_outputs"),
+                         ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}},
+                          "structured_outputs.json")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body=extra)
+        assert err.value.body["param"] == param, extra
+    parsed = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Flag?"}],
+                                         max_tokens=100, seed=7, extra_body={"structured_outputs": {"json": {
+                                             "type": "object", "properties": {"ok": {"type": "boolean"}},
+                                             "required": ["ok"]}}})
+    assert isinstance(json.loads(parsed.choices[0].message.content)["ok"], bool)
+
+
 def test_a_required_tool_call(oai):
     import json
 

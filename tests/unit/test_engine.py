@@ -1213,6 +1213,44 @@ def test_json_mode_rows_write_json_beside_rows_that_do_not(parts, alone):
         engine.stop()
 
 
+def test_pattern_rows_write_a_text_their_pattern_matches(parts, alone):
+    """Structured outputs' choice and regex: sampled rows end with a text their pattern matches
+    whole (a choice once its text is whole and no longer one goes on; digits that may go on, at
+    end of text, allowed only once the text matches, or at max_tokens), beside ordinary rows that
+    give their greedy tokens as alone. End of text biased up ends a row at its first match."""
+    import re
+
+    from replicas.json_regex import choice_pattern
+
+    tok = parts[1]
+    choices = ["yes", "no", "not sure", "yes, twice"]
+    engine = make_engine(parts, max_slots=4)
+    eos = tok.eos_token_id
+    assert eos is not None
+    try:
+        chosen = [SamplingParams(max_tokens=24, seed=seed, text_pattern=choice_pattern(choices)) for seed in range(4)]
+        coded = [SamplingParams(max_tokens=12, seed=seed, text_pattern=r"[a-z]{2,4}=\d+") for seed in range(3)]
+        ended = SamplingParams(max_tokens=12, seed=9, text_pattern=r"ab\d+", logit_bias={eos: 100.0})
+        requests = [Request(tok.encode("answer = "), p) for p in [*chosen, *coded, ended]]
+        requests += [Request(tok.encode(prompt), GREEDY) for prompt in PROMPTS[:2]]
+        results = run(gather(*(collect(engine, request) for request in requests)))
+        counters = settle(engine)["counters"]
+    finally:
+        engine.stop()
+    for result in results[:4]:
+        assert result.text in choices and result.finished.reason == "stop", result.text
+    for result in results[4:7]:
+        if result.finished.reason == "stop":
+            assert re.fullmatch(r"[a-z]{2,4}=\d+", result.text), result.text
+        else:
+            assert len(result.tokens) == 12 and re.fullmatch(r"[a-z]{0,4}(=\d*)?", result.text), result.text
+    assert results[7].finished.reason == "stop" and re.fullmatch(r"ab\d+", results[7].text), results[7].text
+    assert results[7].tokens[-1] == eos and len(results[7].tokens) <= 4
+    for result, prompt in zip(results[8:], PROMPTS[:2], strict=True):
+        assert result.tokens == alone[prompt]
+    assert counters["pattern_requests"] == 8 and counters["json_mode_requests"] == 0
+
+
 def test_json_schema_rows_write_what_their_schema_describes(parts):
     """Rows with a schema end with an instance of it (pydantic validates their text), or, cut by
     max_tokens, the start of one; two schemas share the batch with a schema-less JSON row."""

@@ -12,6 +12,8 @@ import torch
 
 from replicas import json_grammar as jg
 from replicas.json_grammar import START_STATE, JsonGrammar, Machine, ObjectMachine, advance, unpack
+from replicas.json_regex import anchored as anchor
+from replicas.json_regex import choice_pattern
 from replicas.tokenizer import load_tokenizer
 
 WORLD_VOCAB = Path(__file__).resolve().parents[2] / "replicas" / "model" / "rwkv_vocab_v20230424.txt"
@@ -243,7 +245,7 @@ def test_a_tokenizer_without_a_token_for_each_json_byte_is_refused_with_what_it_
     tokenizer, _ = world
 
     class Without:  # the World tokenizer less its single-byte "{" and "~" tokens
-        vocab_size = tokenizer.vocab_size
+        vocab_size, eos_token_id = tokenizer.vocab_size, tokenizer.eos_token_id
 
         @staticmethod
         def token_bytes(token: int) -> bytes:
@@ -255,3 +257,44 @@ def test_a_tokenizer_without_a_token_for_each_json_byte_is_refused_with_what_it_
     with pytest.raises(jg.GrammarError, match=r"has none for '\{~'"):
         JsonGrammar(Without()).constraint()
     assert JsonGrammar(tokenizer).missing == b""
+
+
+def test_a_pattern_takes_the_texts_it_matches_whole_and_allows_end_of_text_where_one_may_end(world):
+    """Structured outputs' regex and choice: a text the pattern matches whole, whether it says
+    ^ and $ or not. Where the text matches and no byte goes on, the row is done; where it matches
+    and may go on, end of text is allowed beside the tokens that go on; elsewhere it is banned."""
+    tokenizer, _ = world
+    grammar = JsonGrammar(tokenizer)
+    digits = grammar.constraint(pattern=r"\d{3}-\d+")
+    assert digits is grammar.constraint(pattern=r"\d{3}-\d+")  # memoised
+    machine = digits.machine
+    for text, ok in [(b"123-4", True), (b"123-45678", True), (b"123-", False), (b"12-3", False), (b"x123-4", False),
+                     (b"123-4x", False)]:
+        state = advance(machine.start, text, machine)
+        assert (state is not None and machine.may_end(state)) == ok, text
+    every = [(t, tokenizer.token_bytes(t)) for t in range(tokenizer.vocab_size)]
+    for prefix, ends in [(b"", False), (b"12", False), (b"123-", False), (b"123-4", True)]:
+        state = advance(machine.start, prefix, machine)
+        allowed = set(digits.allowed(state))
+        assert allowed - {0} == {t for t, data in every if data and advance(state, data, machine) is not None}, prefix
+        assert (0 in allowed) == ends and not digits.done(state), prefix  # (token 0: end of text)
+        assert bool(unpack(digits.banned(state), tokenizer.vocab_size)[0]) != ends
+
+    choice = grammar.constraint(pattern=choice_pattern(["yes", "no", "no way (really?)", "naïve"]))
+    machine = choice.machine
+    for text, done, may_end in [(b"yes", True, True), (b"no", False, True), (b"no way (really?)", True, True),
+                                ("naïve".encode(), True, True), (b"n", False, False)]:
+        state = advance(machine.start, text, machine)
+        assert state is not None and choice.done(state) == done and machine.may_end(state) == may_end, text
+    for text in [b"yess", b"no way", b"maybe", b"Yes"]:
+        state = advance(machine.start, text, machine)
+        assert state is None or not machine.may_end(state), text
+    assert set(choice.allowed(machine.start)) == {t for t, data in every
+                                                 if data and advance(machine.start, data, machine) is not None}
+
+
+@pytest.mark.parametrize(("pattern", "anchored"), [
+    ("a|b", "^(?:a|b)$"), ("^a|b$", "^(?:a|b)$"), ("a\\$", "^(?:a\\$)$"), ("^$", "^(?:)$"),
+])
+def test_a_pattern_is_anchored_at_both_ends(pattern, anchored):
+    assert anchor(pattern) == anchored
