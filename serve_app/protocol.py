@@ -159,7 +159,8 @@ class _Sampling(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="extension (vLLM's): {\"choice\": [texts]}, {\"regex\": pattern} (the reply is a text it "
         "matches whole), {\"json\": schema} or {\"json_object\": true}")
-    guided_choice: list[str] | None = Field(None, description="vLLM's older name for structured_outputs.choice")
+    guided_choice: list[str] | None = Field(None, min_length=1,
+                                            description="vLLM's older name for structured_outputs.choice")
     guided_regex: str | None = Field(None, description="vLLM's older name for structured_outputs.regex")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name for structured_outputs.json")
 

@@ -117,6 +117,8 @@ def test_structured_outputs_choice_and_regex_as_vllm_takes_them(oai):
                          ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
                          ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "structured_outputs"),
                          ({"guided_regex": "(?=a)"}, "structured_outputs"),
+                         ({"guided_choice": []}, "guided_choice"),
+                         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
                          ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}},
                           "structured_outputs.json")]:
         with pytest.raises(openai.BadRequestError) as err:
