@@ -21,6 +21,13 @@ longest prefix, of so many tokens), the replica first asks that replica for the 
 (`export_state`, through its own deployment's router) and caches it, when that saves prefilling
 `state_move_min_tokens` or more; a failure or a wait past STATE_MOVE_TIMEOUT_S prefills instead.
 
+A replica that Serve stops (scaled down, replaced by a redeploy) first hands its newest cached
+states, up to `state_handoff_bytes`, to the replicas that stay (`take_states`, through its own
+deployment's router, a batch to whichever replica it picks, waiting for one that is starting),
+which cache them and tell the registry, whose routing log sends the routers' next turns of those
+conversations there. Where no replica runs or starts (the application deleted, or scaled to
+zero) there is none; a failure, or half of `shutdown_timeout_s` spent, ends it where it is.
+
 The registry is reached through `connect_registry(app_name)`, which returns an actor handle with
 `catalog() -> (version, [ {id, name, default, version, ref} ])`, `wait_version(known, timeout)`,
 `report(replica, stats, acked_version, interval_s)` and `forget(replica)` (serve_app/registry.py).
@@ -71,6 +78,9 @@ LOCAL = "local"  # the replica's id and application outside Ray Serve (tests, to
 # How long a request waits for a prefix's state from the replica that holds it before it is
 # prefilled here instead (that replica's engine answers between two of its steps).
 STATE_MOVE_TIMEOUT_S = 2.0
+HANDOFF_BATCH_BYTES = 64 << 20  # a stopping replica's states go to the others in calls of about this size
+SERVING_STATES = ("RUNNING", "STARTING", "UPDATING", "RECOVERING")  # Serve's replica states that will take calls
+HANDOFF_TRIES = 3  # calls for one batch that the router may send back to the stopping replica itself
 
 
 class ReplicaConfig(BaseModel):
@@ -84,6 +94,9 @@ class ReplicaConfig(BaseModel):
     # a request whose prompt's longest prefix is held by another replica takes that prefix's state
     # from there when it would prefill at least this many tokens more here; None: never
     state_move_min_tokens: int | None = 256
+    # a replica that stops hands its newest cached states, up to this many bytes, to the replicas
+    # that stay (`hand_off`); 0: never
+    state_handoff_bytes: int = 1 << 30
     shutdown_timeout_s: float = 30.0  # how long the engine's process has to end (and save its cache) when stopped
 
 
@@ -152,6 +165,7 @@ class Replica:
         self._streams = 0  # requests streaming now
         self._sync_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self._closed = False
         if self.registry is not None:
             await self.sync_init_states()
             self._tasks = [asyncio.create_task(self._follow_catalog()), asyncio.create_task(self._push_metrics())]
@@ -241,11 +255,59 @@ class Replica:
         """Serve's health check: the engine thread must be turning."""
         await asyncio.to_thread(self.engine.ping, HEALTH_TIMEOUT_S)
 
-    def __del__(self) -> None:
-        """Serve calls it when the replica stops (after draining); so does Python's collector."""
+    def __del__(self):
+        """Serve calls it when the replica stops (after draining) and awaits the coroutine it
+        returns there: the hand-off of the newest states to the replicas that stay, then `close`.
+        Python's collector calls it too, outside Serve or after Serve did: then it only closes."""
+        handing = getattr(self, "replica_id", LOCAL) != LOCAL and self.config.state_handoff_bytes
+        if handing and not getattr(self, "_closed", True):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                return self._hand_off_and_close()
+        self.close()
+        return None
+
+    async def _hand_off_and_close(self) -> None:
+        try:
+            await asyncio.wait_for(self.hand_off(), self.config.shutdown_timeout_s / 2)
+        except Exception as err:
+            log.warning("replica %s: handing its states off ended early: %r", self.replica_id, err)
         self.close()
 
+    async def hand_off(self) -> int:
+        """Sends the engine's newest cached states, up to state_handoff_bytes, to the other
+        replicas in batches of about HANDOFF_BATCH_BYTES; returns how many were taken."""
+        fingerprint, states = await asyncio.to_thread(self.engine.hand_off, self.config.state_handoff_bytes)
+        if not await asyncio.to_thread(_others_serving):
+            return 0  # (the application deleted, or scaled to zero)
+        taken = 0
+        for batch in _batches(states, HANDOFF_BATCH_BYTES):  # (the first waits for a starting replica)
+            for _ in range(HANDOFF_TRIES):  # (a router that has not heard of this replica's stop may pick it)
+                count = await self._peers().take_states.remote(self.replica_id, fingerprint, batch)
+                if count >= 0:
+                    taken += count
+                    break
+        log.info("replica %s: handed %d of %d cached states to the replicas that stay", self.replica_id, taken,
+                 len(states))
+        return taken
+
+    async def take_states(self, sender: str, fingerprint: str, states: list[tuple[str, tuple[int, ...], Snapshot]],
+                          ) -> int:
+        """Caches states a stopping replica handed off (`hand_off`) and tells the registry, so
+        that the routers send those conversations here; returns how many were taken, or -1 when
+        this is the sender (the call is to be sent again)."""
+        if sender == self.replica_id:
+            return -1
+        taken = await asyncio.to_thread(self.engine.take_states, fingerprint, states)
+        if taken and self.registry is not None:
+            await self.registry.took_states.remote(self.replica_id, taken)
+        return len(taken)
+
     def close(self) -> None:
+        self._closed = True
         for task in getattr(self, "_tasks", ()):
             task.cancel()
         if getattr(self, "registry", None) is not None:
@@ -415,6 +477,29 @@ def _refusal(err: Exception) -> ReplicaError:
     if isinstance(err, UnknownInitState):
         return ReplicaError(404, str(err), "init_state_not_found")
     return ReplicaError(400, str(err))
+
+
+def _batches(states: list[tuple[str, tuple[int, ...], Snapshot]], size: int) -> list[list]:
+    """The states in runs of about `size` bytes each (one at least), in their order."""
+    batches, run, held = [], [], 0
+    for state in states:
+        if run and held + state[2].nbytes > size:
+            batches.append(run)
+            run, held = [], 0
+        run.append(state)
+        held += state[2].nbytes
+    return [*batches, run] if run else batches
+
+
+def _others_serving() -> bool:
+    """Whether Serve runs another replica of this one's deployment, or is starting one (this one
+    is stopping: a redeploy may stop the old replicas while the new ones start)."""
+    from ray import serve  # noqa: PLC0415
+
+    context = serve.get_replica_context()
+    app = serve.status().applications.get(context.app_name)
+    deployment = app.deployments.get(context.deployment) if app is not None else None
+    return deployment is not None and any(deployment.replica_states.get(state, 0) for state in SERVING_STATES)
 
 
 def _replica_identity() -> tuple[str, str]:

@@ -490,9 +490,35 @@ class Engine:
     def import_prefix(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
         """Caches another engine's snapshot of tokens; False if it does not fit this model or the
         namespace is not (or no longer) this engine's."""
-        fits = (snapshot.state.rows == 1 and snapshot.state.fits(self.runner.config)
+        return self._fits(snapshot) and self.call(lambda: self._import(namespace, tuple(tokens), snapshot))
+
+    # A stopping engine hands its newest states to the engines that stay (replicas/deployment.py).
+
+    def hand_off(self, limit_bytes: int) -> tuple[str, list[tuple[str, tuple[int, ...], Snapshot]]]:
+        """(the weights' fingerprint, host copies of the newest states cached in memory, newest
+        first, as many as limit_bytes holds)."""
+        return self.runner.fingerprint, self.call(lambda: self.cache.newest(limit_bytes))
+
+    def take_states(self, fingerprint: str, states: Sequence[tuple[str, tuple[int, ...], Snapshot]],
+                    ) -> list[tuple[str | None, tuple[int, ...]]]:
+        """Caches the states another engine handed off, where its weights are this engine's
+        (`fingerprint`) and a state's namespace is this engine's too. Returns each one taken as
+        (the name of its init state, None for none; its tokens): what routers key it by."""
+        if fingerprint != self.runner.fingerprint:
+            return []
+        fitting = [(namespace, tuple(tokens), snapshot) for namespace, tokens, snapshot in states
+                   if self._fits(snapshot)]
+
+        def take() -> list[tuple[str | None, tuple[int, ...]]]:
+            names = {s.namespace: s.name for s in self.init_states.values()}
+            return [(names.get(namespace), tokens) for namespace, tokens, snapshot in fitting
+                    if self._import(namespace, tokens, snapshot)]
+
+        return self.call(take)
+
+    def _fits(self, snapshot: Snapshot) -> bool:
+        return (snapshot.state.rows == 1 and snapshot.state.fits(self.runner.config)
                 and tuple(snapshot.logits.shape) == (self.runner.vocab_size,))
-        return fits and self.call(lambda: self._import(namespace, tuple(tokens), snapshot))
 
     def snapshot_stats(self) -> dict:
         """Counters, slot occupancy and cache metrics, read on the engine thread."""

@@ -191,6 +191,12 @@ class EngineProcess:
     def import_prefix(self, namespace: str, tokens: Sequence[int], snapshot: Snapshot) -> bool:
         return self._call("import_prefix", namespace, list(tokens), snapshot)
 
+    def hand_off(self, limit_bytes: int) -> tuple[str, list[tuple[str, tuple[int, ...], Snapshot]]]:
+        return self._call("hand_off", limit_bytes)
+
+    def take_states(self, fingerprint: str, states: list) -> list[tuple[str | None, tuple[int, ...]]]:
+        return self._call("take_states", fingerprint, states)
+
     def snapshot_stats(self) -> dict:
         stats = self._call("snapshot_stats")
         counters = stats["counters"]
@@ -380,6 +386,8 @@ _CALLS = {
     "held_prefix": Engine.held_prefix,
     "export_prefix": Engine.export_prefix,
     "import_prefix": Engine.import_prefix,
+    "hand_off": Engine.hand_off,
+    "take_states": Engine.take_states,
     "check_integrity": Engine.check_integrity,
 }
 

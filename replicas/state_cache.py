@@ -82,6 +82,13 @@ def _snapshot_from(state: RNNState, logits) -> Snapshot:
     return Snapshot(state, host_tensor(logits))
 
 
+def _copy_to_host(snapshot: Snapshot) -> Snapshot:
+    """A host copy of a snapshot's state and logits (once its own copy, if any, has ended)."""
+    snapshot.wait()
+    return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),
+                    snapshot.logits.to("cpu", copy=True))
+
+
 def prefix_key(namespace: str, tokens: Sequence[int]) -> str:
     """A stable name for (namespace, prefix), the same in every process: for events and export."""
     digest = hashlib.blake2b(digest_size=12)
@@ -506,10 +513,19 @@ class PrefixStateCache:
         if entry.snapshot is None:
             self.metrics.disk_reads += 1
             return self.disk.read_later(entry.file), length  # (a fresh host copy)
-        snapshot = entry.snapshot
-        snapshot.wait()
-        return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),
-                        snapshot.logits.to("cpu", copy=True)), length
+        return _copy_to_host(entry.snapshot), length
+
+    def newest(self, limit_bytes: int) -> list[tuple[str, tuple[int, ...], Snapshot]]:
+        """Host copies of the most recently used snapshots in memory (the device tier's, then the
+        host tier's), newest first, as many as limit_bytes holds: what a stopping engine hands to
+        the engines that stay. Without their scores. Counts nothing, moves nothing."""
+        out, room = [], limit_bytes
+        for entry in [*reversed(self.lru[DEVICE].values()), *reversed(self.lru[HOST].values())]:
+            if entry.snapshot.nbytes > room:
+                break
+            room -= entry.snapshot.nbytes
+            out.append((entry.namespace, entry.tokens, _copy_to_host(entry.snapshot)))
+        return out
 
     def keys(self) -> list[tuple[str, int]]:
         """(key, prefix length) of every snapshot held: the summary a router can read."""

@@ -100,6 +100,10 @@ class AppConfig(BaseModel):
         256, ge=1, description="with state_affinity, a request sent to another replica than the one holding its "
         "prompt's longest prefix (that one had no free slot) takes the prefix's state from it when that saves "
         "prefilling at least this many tokens; null: never")
+    state_handoff_bytes: int = Field(
+        1 << 30, ge=0, description="a model replica that stops (scaled down, redeployed) first hands its newest "
+        "cached states, up to this many bytes, to the replicas that stay, and the routers send their conversations "
+        "there; 0: never")
 
     ingress_replicas: int | None = Field(
         None, ge=1, description="HTTP-side replicas; None: enough for `ingress_streams` requests each when every model "
@@ -169,7 +173,7 @@ class AppConfig(BaseModel):
             stream_delay_s=self.stream.max_delay_ms / 1000, stream_tokens=self.stream.max_tokens,
             stream_chunks_per_s=self.stream.max_chunks_per_s,
             metrics_interval_s=self.metrics_interval_s, state_move_min_tokens=self.state_move_min_tokens,
-            shutdown_timeout_s=self.shutdown_timeout_s,
+            state_handoff_bytes=self.state_handoff_bytes, shutdown_timeout_s=self.shutdown_timeout_s,
         )
 
     def replica_options(self, num_gpus: float) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Owns the init-state catalog (id -> name, default flag, version, the safetensors 
 object store, owned by this actor so they outlive whoever uploaded them), the catalog's version,
 the latest metrics each replica pushed (with the catalog version it has applied), and a log of
 the prompt prefixes the routers routed (router.py), through which each ingress replica's router
-learns the others', and the stored responses of the Responses API (each its turn's messages and
+learns the others' (and where the states a stopping replica handed off went: `took_states`), and
+the stored responses of the Responses API (each its turn's messages and
 the response it continues, the oldest dropped past STORED_RESPONSE_BYTES). Never on the path of a
 request (but a router's first, which waits for its first trade, and a response that is stored or
 continues a stored one): the ingress reads it for /v1/states and /metrics, replicas push to it
@@ -187,6 +188,18 @@ class Registry:
         news = [(key, replica) for source, key, replica in itertools.islice(self._routed, start - first, None)
                 if source != router]
         return self._routed_end, news
+
+    async def took_states(self, replica: str, prefixes: list[tuple[str | None, tuple[int, ...]]]) -> None:
+        """A replica took states another one handed off as it stopped: each (init state name or
+        None, tokens) goes into the routing log as routed there, so that every router sends that
+        conversation's next turn to it."""
+        from replicas.engine import Request  # noqa: PLC0415 (torch, in this actor only once states are handed off)
+
+        from .router import BLOCK_TOKENS, prefix_keys  # noqa: PLC0415 (router.py imports this module)
+
+        entries = [(key, replica) for name, tokens in prefixes
+                   for key in prefix_keys(Request(list(tokens), init_state=name), BLOCK_TOKENS)]
+        await self.share_routing(f"handoff:{replica}", entries, self._routed_end)
 
     # -- stored responses ------------------------------------------------------------------
 

@@ -79,6 +79,8 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
             # a replica asking the holder of a prefix for its state: the call names the holder
             holder = pending_request.args[0]
             return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == holder]]
+        if pending_request is not None and pending_request.metadata.call_method == "take_states":
+            return [two_at_random(candidate_replicas)]  # a stopping replica's states: any replica that stays
         if self._sharing is None and self._sync_s > 0:  # (started here: the router's own event loop)
             loop = asyncio.get_running_loop()
             self._first_trade = loop.create_future()

@@ -36,3 +36,52 @@ def test_a_second_model_serves_under_its_own_prefix_beside_the_first(client, bas
     finally:
         serve.delete("second")
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_stopping_replicas_hand_their_states_to_the_replica_that_serves_on(served, base_url):
+    """A second application of two replicas takes twelve conversations, which the routers spread
+    over both; redeployed with one replica, Serve replaces both by a new one, and the stopping
+    replicas hand it their cached states: every conversation's next turn starts from its state
+    there. The registry's routing log names the replica that took them. (With state_handoff_bytes
+    0 every turn was prefilled whole.)"""
+    import random
+
+    import ray
+    from ray import serve
+
+    from replicas.engine import Request
+    from serve_app import registry
+    from serve_app.app import build_app
+    from serve_app.config import AppConfig
+    from serve_app.router import prefix_keys
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1000) for _ in range(80)] for _ in range(12)]
+
+    def app(replicas: int):
+        return build_app(AppConfig(model=served[1].model, replicas=replicas, num_cpus=0, metrics_interval_s=0.2,
+                                   state_move_min_tokens=None))
+
+    serve.run(app(2), name="handoff", route_prefix="/handoff")
+    try:
+        with httpx.Client(base_url=f"{base_url}/handoff", timeout=60) as http:
+            wait_for(lambda: len(stats(http)["replicas"]) == 2, what="two replicas")
+            for prompt in prompts:
+                assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+            wait_for(lambda: sum(r["counters"].get("submitted", 0) for r in stats(http)["replicas"].values()) == 12,
+                     what="the replicas' figures")
+            assert all(r["counters"].get("submitted", 0) > 0 for r in stats(http)["replicas"].values())
+            before = list(stats(http)["replicas"])
+            serve.run(app(1), name="handoff", route_prefix="/handoff")
+            wait_for(lambda: len(stats(http)["replicas"]) == 1, timeout=60, what="one replica left")
+            (survivor,) = stats(http)["replicas"]
+            assert survivor not in before  # (Serve replaced both: the redeploy changed the application)
+            cached = [http.post("/v1/completions", json={"prompt": p + [7, 8, 9], "max_tokens": 1}).json()
+                      ["usage"]["prompt_tokens_details"]["cached_tokens"] for p in prompts]
+            assert cached == [len(p) for p in prompts]
+            assert stats(http)["total"]["counters"].get("states_moved_in", 0) > 0
+        _, routed = ray.get(registry.connect("handoff").share_routing.remote("probe", [], 0))
+        keys = {key for p in prompts for key in prefix_keys(Request(p), 32)}
+        assert {key for key, replica in routed if replica == survivor} >= keys
+    finally:
+        serve.delete("handoff")

@@ -1295,3 +1295,35 @@ def test_json_schema_rows_write_what_their_schema_describes(parts):
         settle(engine)
     finally:
         engine.stop()
+
+
+def test_a_stopping_engines_states_go_on_in_another(parts):
+    """hand_off gives the newest cached states (host copies); another engine of the same weights
+    takes those of its namespaces (the zero state's, and an init state it has loaded too, named
+    for the routers), and a prompt that goes on from one starts there with the tokens a fresh
+    engine gives it. Another model's states, or a namespace it lacks, are not taken."""
+    tok = parts[1]
+    persona = _state_after(parts, tok.encode("# A small HTTP server.\n"))
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    stopping, staying = make_engine(parts), make_engine(parts)
+    try:
+        for engine in (stopping, staying):
+            engine.load_init_state(InitState(id="st-p", name="p", state=persona))
+        for prompt in prompts:
+            run(collect(stopping, Request(prompt, SamplingParams(max_tokens=1))))
+        run(collect(stopping, Request(prompts[0], SamplingParams(max_tokens=1), init_state="p")))
+        fingerprint, states = stopping.hand_off(1 << 30)
+        assert {tokens for _, tokens, _ in states} >= {tuple(p) for p in prompts}
+        assert staying.take_states("another model", states) == []
+        taken = staying.take_states(fingerprint, states)
+        assert sorted(taken, key=str) == sorted(((None, t) if ns == "" else ("p", t) for ns, t, _ in states), key=str)
+        assert ("p", tuple(prompts[0])) in taken
+        follow = prompts[1] + tok.encode(" # and then")
+        result = run(collect(staying, Request(follow, GREEDY)))
+        assert result.started.cached_tokens == len(prompts[1]) and result.tokens == cold_tokens(parts, follow)
+        staying.unload_init_state("st-p")
+        assert all(name is None for name, _ in staying.take_states(fingerprint, states))
+        settle(staying)
+    finally:
+        stopping.stop()
+        staying.stop()

@@ -323,3 +323,18 @@ def test_the_fingerprint_names_the_weights_in_either_precision():
     model = init_random(RWKV7(CONFIG), seed=1)
     same, other = init_random(RWKV7(CONFIG), seed=1), init_random(RWKV7(CONFIG), seed=2)
     assert model.fingerprint() == same.fingerprint() == same.half().fingerprint() != other.fingerprint()
+
+
+def test_newest_gives_host_copies_of_the_memory_tiers_newest_first_within_a_budget(tmp_path):
+    cache = PrefixStateCache(2 * SIZE, 2 * SIZE, disk=DiskTier(tmp_path / "states", "m"), disk_bytes=4 * FILE)
+    for i in range(5):
+        cache.insert("ns" if i == 3 else "", [i, i], snap(i))  # [0, 0] goes to disk; [1, 1], [2, 2] to the host
+    cache.match("", [1, 1])  # now the newest
+    cache.disk.flush()
+    newest = cache.newest(10 * SIZE)
+    assert [(ns, tokens) for ns, tokens, _ in newest] == [("", (1, 1)), ("", (4, 4)), ("ns", (3, 3)), ("", (2, 2))]
+    assert all(s.logits.device.type == "cpu" and s.logits[0].item() == t[0] for _, t, s in newest)
+    assert newest[0][2].logits.data_ptr() != cache.match("", [1, 1])[0].logits.data_ptr()  # copies
+    assert [t for _, t, _ in cache.newest(2 * SIZE + 1)] == [(1, 1), (4, 4)] and cache.newest(SIZE - 1) == []
+    cache.check_integrity()
+    cache.clear()
