@@ -259,7 +259,8 @@ class Replica:
         """Serve calls it when the replica stops (after draining) and awaits the coroutine it
         returns there: the hand-off of the newest states to the replicas that stay, then `close`.
         Python's collector calls it too, outside Serve or after Serve did: then it only closes."""
-        handing = getattr(self, "replica_id", LOCAL) != LOCAL and self.config.state_handoff_bytes
+        config = getattr(self, "config", None)
+        handing = config is not None and config.state_handoff_bytes and getattr(self, "replica_id", LOCAL) != LOCAL
         if handing and not getattr(self, "_closed", True):
             try:
                 asyncio.get_running_loop()
