@@ -281,9 +281,9 @@ class Replica:
     async def hand_off(self) -> int:
         """Sends the engine's newest cached states, up to state_handoff_bytes, to the other
         replicas in batches of about HANDOFF_BATCH_BYTES; returns how many were taken."""
-        fingerprint, states = await asyncio.to_thread(self.engine.hand_off, self.config.state_handoff_bytes)
         if not await asyncio.to_thread(_others_serving):
             return 0  # (the application deleted, or scaled to zero)
+        fingerprint, states = await asyncio.to_thread(self.engine.hand_off, self.config.state_handoff_bytes)
         taken = 0
         for batch in _batches(states, HANDOFF_BATCH_BYTES):  # (the first waits for a starting replica)
             for _ in range(HANDOFF_TRIES):  # (a router that has not heard of this replica's stop may pick it)
