@@ -24,6 +24,9 @@ neither takes it), and when no prefix is recorded, to the default's two replicas
 record can be wrong (a replica evicted the state, restarted, or a routing elsewhere has not been
 shared yet): then the request is prefilled there as it would be anywhere.
 
+While every replica is full, requests wait in the router; a replica that frees room goes to the
+most urgent of them (the lowest `priority`, the oldest of those).
+
 Wherever a request with a recorded prefix goes, it carries the holder and the prefix's length
 (the `holder` argument of Replica.generate): a replica other than the holder takes the prefix's
 state from it (Replica.export_state, a call this router sends to the replica it names) when that
@@ -58,9 +61,9 @@ FIRST_TRADE_WAIT_S = 1.0  # how long a router's first requests wait for its firs
 
 
 class StateAffinityRouter(FIFOMixin, RequestRouter):
-    """(FIFOMixin, as Ray Serve's default router: a replica found goes to the oldest request
-    waiting. Without it a replica goes to the request of the same internal id, which the choices
-    of one HTTP request share: one was routed, the others' routing spun probing the replicas.)"""
+    """(FIFOMixin, as Ray Serve's default router: a replica found goes to a request waiting, not
+    to the request of the same internal id, which the choices of one HTTP request share: one was
+    routed, the others' routing spun probing the replicas. Which one: `_fulfill_next_pending_request`.)"""
 
     def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_prefixes: int = MAX_PREFIXES,
                          slots: int = SLOTS, sync_s: float = SYNC_S) -> None:
@@ -108,6 +111,23 @@ class StateAffinityRouter(FIFOMixin, RequestRouter):
         # out (a busy host) left the holder, under Ray's limit but with every slot taken, the choice
         others = [replica for replica in candidate_replicas if replica is not best]
         return [two_at_random(others), [best]] if others else [[best]]
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """A replica found goes to the most urgent request waiting (the lowest `priority`, the
+        oldest of those), where FIFOMixin's would give it to the oldest: so a request of a batch
+        job that waits here, every replica's slots and waiting rows taken, does not go before an
+        interactive one that came after it. (Ray Serve's own hook: a replica was found with room.)"""
+        waiting = self._pending_requests_to_fulfill
+        while waiting and waiting[0].future.done():
+            waiting.popleft()
+        chosen = min((p for p in waiting if not p.future.done()), key=_priority, default=None)  # (the oldest of a tie)
+        if chosen is None:
+            return
+        waiting.remove(chosen)
+        self._cancel_routing_task_for_pending_request(chosen)
+        self._record_queue_wait_time(chosen)
+        chosen.future.set_result(replica)
+        self._remove_pending_request_from_indices(chosen)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         replica = replica_id.unique_id
@@ -198,6 +218,12 @@ def prefix_keys(request: Request | None, block: int) -> list[int]:
 def two_at_random(candidates: Sequence[RunningReplica]) -> list[RunningReplica]:
     """Ray Serve's default: two replicas at random (the router then takes the shorter queue)."""
     return random.sample(list(candidates), min(2, len(candidates)))
+
+
+def _priority(pending: PendingRequest) -> int:
+    """A call's priority: its request's (Replica.generate), else 0."""
+    request = _request(pending)
+    return request.priority if request is not None else 0
 
 
 def _request(pending: PendingRequest | None) -> Request | None:

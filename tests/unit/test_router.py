@@ -75,3 +75,46 @@ def test_a_request_names_its_prefix_holder_unless_the_holders_queue_is_full():
     assert ranks[0] == ["holder"] and sorted(ranks[1]) == ["holder", "other"] and named == ("holder", 8)
     assert choose(3) == ([["other"], ["holder"]], ("holder", 8))  # slots taken: others first, state moved
     assert choose(4) == ([["other"], ["holder"]], None)  # queue full: prefilled where it lands
+
+
+def test_a_replica_found_goes_to_the_most_urgent_request_waiting():
+    """Every replica full, requests wait in the router: a replica that frees goes to the lowest
+    priority waiting (the oldest of a tie), a call that carries no request counting as 0, one whose
+    caller left skipped. The hook is Ray Serve's (FIFOMixin gave it to the oldest)."""
+    import asyncio
+    from collections import deque
+    from types import SimpleNamespace
+
+    from ray.serve._private.request_router.request_router import FIFOMixin
+
+    from serve_app.router import StateAffinityRouter
+
+    assert "_fulfill_next_pending_request" in vars(FIFOMixin)  # the hook this router overrides
+    router = StateAffinityRouter.__new__(StateAffinityRouter)  # (Serve's own set-up skipped: no handle here)
+    loop = asyncio.new_event_loop()
+    removed = []
+    router._cancel_routing_task_for_pending_request = lambda pending: None
+    router._record_queue_wait_time = lambda pending: None
+    router._remove_pending_request_from_indices = removed.append
+
+    def pending(name: str, priority: int | None, left: bool = False) -> SimpleNamespace:
+        args = [Request([1, 2], priority=priority)] if priority is not None else ["holder", "", [1, 2]]
+        call = SimpleNamespace(name=name, args=args, future=loop.create_future())
+        if left:
+            call.future.cancel()
+        return call
+
+    calls = [pending("batch 1", 1), pending("batch 2", 1), pending("gone", -5, left=True), pending("urgent 1", 0),
+             pending("urgent 2", 0), pending("a state asked", None), pending("first", -1)]
+    router._pending_requests_to_fulfill = deque(calls)
+    order = []
+    for replica in "abcdef":
+        router._fulfill_next_pending_request(replica)
+        order += [(c.name, c.future.result()) for c in calls if c.future.done() and not c.future.cancelled()
+                  and (c.name, c.future.result()) not in order]
+    assert order == [("first", "a"), ("urgent 1", "b"), ("urgent 2", "c"), ("a state asked", "d"), ("batch 1", "e"),
+                     ("batch 2", "f")]
+    assert [c.name for c in removed] == [name for name, _ in order]
+    router._fulfill_next_pending_request("g")  # nothing waits: nothing happens (the gone one is dropped)
+    assert not router._pending_requests_to_fulfill and calls[2].future.cancelled()
+    loop.close()
