@@ -63,10 +63,11 @@ class Snapshot:
         return (*self.state.tensors(), self.logits)
 
     def __reduce_ex__(self, protocol: int):
-        """A host snapshot pickles as its state does (model/state.py: as numpy arrays)."""
+        """A host snapshot pickles as its state does (model/state.py: as numpy arrays), its scores
+        with it."""
         if self.ready is not None or self.logits.device.type != "cpu":
             return super().__reduce_ex__(protocol)
-        return _snapshot_from, (self.state, self.logits.detach().numpy())
+        return _snapshot_from, (self.state, self.logits.detach().numpy(), self.scores)
 
     def to(self, device: torch.device | str) -> Snapshot:
         self.wait()
@@ -78,15 +79,16 @@ class Snapshot:
             self.ready.synchronize()
 
 
-def _snapshot_from(state: RNNState, logits) -> Snapshot:
-    return Snapshot(state, host_tensor(logits))
+def _snapshot_from(state: RNNState, logits, scores: PromptScores | None = None) -> Snapshot:
+    return Snapshot(state, host_tensor(logits), scores=scores)
 
 
 def _copy_to_host(snapshot: Snapshot) -> Snapshot:
-    """A host copy of a snapshot's state and logits (once its own copy, if any, has ended)."""
+    """A host copy of a snapshot's state and logits (once its own copy, if any, has ended), with
+    its scores (host tensors already, never written to: shared)."""
     snapshot.wait()
     return Snapshot(RNNState(*(t.to("cpu", copy=True) for t in snapshot.state.tensors())),
-                    snapshot.logits.to("cpu", copy=True))
+                    snapshot.logits.to("cpu", copy=True), scores=snapshot.scores)
 
 
 def prefix_key(namespace: str, tokens: Sequence[int]) -> str:
@@ -518,7 +520,7 @@ class PrefixStateCache:
     def newest(self, limit_bytes: int) -> list[tuple[str, tuple[int, ...], Snapshot]]:
         """Host copies of the most recently used snapshots in memory (the device tier's, then the
         host tier's), newest first, as many as limit_bytes holds: what a stopping engine hands to
-        the engines that stay. Without their scores. Counts nothing, moves nothing."""
+        the engines that stay. Counts nothing, moves nothing."""
         out, room = [], limit_bytes
         for entry in [*reversed(self.lru[DEVICE].values()), *reversed(self.lru[HOST].values())]:
             if entry.snapshot.nbytes > room:

@@ -338,3 +338,20 @@ def test_newest_gives_host_copies_of_the_memory_tiers_newest_first_within_a_budg
     assert [t for _, t, _ in cache.newest(2 * SIZE + 1)] == [(1, 1), (4, 4)] and cache.newest(SIZE - 1) == []
     cache.check_integrity()
     cache.clear()
+
+
+def test_a_scored_snapshot_travels_with_its_scores():
+    """An export (a state moved to another replica) and a hand-off keep a snapshot's scores, and a
+    pickled host snapshot (how either crosses processes) brings them back whole."""
+    cache = PrefixStateCache(100 * SIZE, 100 * SIZE)
+    original = scored_snap(5, 3, k=2)
+    original.scores.top_logprobs.fill_(-0.5)
+    cache.insert("", [1, 2, 3], original)
+    exported, n = cache.export("", [1, 2, 3, 4])
+    (_, _, handed), = cache.newest(10 * SIZE)
+    for snapshot in (exported, handed, pickle.loads(pickle.dumps(exported))):
+        assert snapshot.scores is not None and len(snapshot.scores) == 3 and snapshot.scores.k == 2
+        assert torch.equal(snapshot.scores.top_logprobs, original.scores.top_logprobs)
+    other = PrefixStateCache(100 * SIZE, 100 * SIZE)
+    other.insert("", [1, 2, 3], pickle.loads(pickle.dumps(exported)))
+    assert other.match("", [1, 2, 3, 4], scored=2)[1] == 3
