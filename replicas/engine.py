@@ -701,7 +701,8 @@ class Engine:
         prompt = row.reused
         best = None
         for other in prefilling:
-            same = other.namespace == row.namespace and (row.scored is None or (other.scored or -1) >= row.scored)
+            same = other.namespace == row.namespace and (
+                row.scored is None or (other.scored is not None and other.scored >= row.scored))
             at = _common_prefix(prompt, other.request.prompt) if same else 0
             if at >= self.config.cache_min_tokens and at > len(other.consumed) and (best is None or at > best[0]):
                 best = (at, other)

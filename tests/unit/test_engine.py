@@ -940,7 +940,8 @@ def test_a_prompt_that_parts_from_a_cached_one_publishes_its_state_there(parts):
         assert result.tokens == cold_tokens(parts, system + q)
 
 
-def test_scored_prompts_at_once_follow_one_prefill_of_their_context(parts):
+@pytest.mark.parametrize("k", [0, 1])
+def test_scored_prompts_at_once_follow_one_prefill_of_their_context(parts, k):
     """The same choices sent together (lm-eval sends a batch as one request): the first admitted
     leads, the others wait for its state where their prompts part from its and take its scores
     of the context with it."""
@@ -950,14 +951,14 @@ def test_scored_prompts_at_once_follow_one_prefill_of_their_context(parts):
     engine = make_engine(parts, checkpoint_interval=10_000)
     try:
         async def together():
-            return await asyncio.gather(*(_scored(engine, context + a, 1, max_tokens=2) for a in answers))
+            return await asyncio.gather(*(_scored(engine, context + a, k, max_tokens=2) for a in answers))
 
         results = run(together())
         stats = settle(engine)
     finally:
         engine.stop()
     for answer, (entries, _) in zip(answers, results, strict=True):
-        _assert_scores(parts, context + answer, entries, 1)
+        _assert_scores(parts, context + answer, entries, k)
     assert sorted(started.cached_tokens for _, started in results) == [0, len(context), len(context), len(context)]
     assert stats["counters"]["prefilled_tokens"] == len(context) + sum(map(len, answers))
     assert stats["counters"]["followed_prompts"] == 3
