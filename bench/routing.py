@@ -25,6 +25,12 @@ first prompt runs, then long requests extending it fill the slots of the replica
 (--slots per replica), and the thread's next turn goes to another replica, which takes the prefix's
 state from the holder (`state_move_min_tokens` 1) or prefills it all (null).
 
+With --redeploy, the state-affinity router twice, with and without handing states off: each
+thread's first prompt runs on the N replicas, then the application is deployed again with N - 1
+(Serve replaces the replicas; the stopping ones hand their newest states to the one that starts,
+`state_handoff_bytes`, or none: 0), and each thread's next turn goes to the new replica. Also how
+long the redeploy took, from `serve.run` to the old replicas gone.
+
 Prints progress to stderr and a Markdown table to stdout.
 """
 
@@ -89,6 +95,36 @@ async def run_threads(url: str, args) -> dict:
             "mean": statistics.mean(latency), "p50": statistics.median(latency), "max": max(latency)}
 
 
+async def run_redeploy(url: str, args, redeploy) -> dict:
+    """Each thread's first prompt, then `redeploy()` (the application with one replica fewer),
+    then each thread's next turn: figures of those turns, and the redeploy's seconds."""
+    rng = random.Random(args.seed)
+    threads = [[rng.randrange(300, 4000) for _ in range(args.prefix)] for _ in range(args.threads)]
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for prompt in threads:
+            (await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})).raise_for_status()
+        before = set((await client.get("/v1/stats")).json()["replicas"])
+        say(f"  first turns done on {len(before)} replicas; redeploying")
+        start = time.perf_counter()
+        await asyncio.to_thread(redeploy)
+        while before & set((await client.get("/v1/stats")).json()["replicas"]):
+            await asyncio.sleep(0.1)
+        redeploy_s = time.perf_counter() - start
+        found, cached, total, latency = 0, 0, 0, []
+        for prompt in threads:
+            turn = prompt + [rng.randrange(300, 4000) for _ in range(args.step)]
+            start = time.perf_counter()
+            response = await client.post("/v1/completions", json={"prompt": turn, "max_tokens": 1})
+            latency.append((time.perf_counter() - start) * 1e3)
+            response.raise_for_status()
+            hit = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            found += hit >= len(prompt)
+            cached, total = cached + hit, total + len(turn)
+        say("  next turns done")
+    return {"found": found, "turns": len(latency), "cached": cached / total, "redeploy_s": redeploy_s,
+            "mean": statistics.mean(latency), "p50": statistics.median(latency), "max": max(latency)}
+
+
 async def long_request(client: httpx.AsyncClient, prompt: list[int], streaming: asyncio.Event) -> None:
     """A request that streams until cancelled; `streaming` is set at its first line."""
     body = {"prompt": prompt, "max_tokens": 100000, "ignore_eos": True, "stream": True}
@@ -139,6 +175,8 @@ def main() -> None:
     parser.add_argument("--full-holder", action="store_true",
                         help="the holder's slots full at each later turn: states moved against prefilled")
     parser.add_argument("--slots", type=int, default=2, help="slots per replica with --full-holder")
+    parser.add_argument("--redeploy", action="store_true",
+                        help="a redeploy with one replica fewer between a thread's turns: states handed off or not")
     parser.add_argument("--random", help="a random model of this shape (0.1b, 1.5b, 7.2b) instead of the demo model")
     args = parser.parse_args()
 
@@ -159,22 +197,45 @@ def main() -> None:
     start_serve("127.0.0.1", port)
     rows = {}
     try:
-        cases = ({"state moved": {"state_move_min_tokens": 1}, "prefilled": {"state_move_min_tokens": None}}
-                 if args.full_holder else
-                 {"state affinity": {"state_affinity": True}, "Ray Serve's default": {"state_affinity": False}})
+        if args.full_holder:
+            cases = {"state moved": {"state_move_min_tokens": 1}, "prefilled": {"state_move_min_tokens": None}}
+        elif args.redeploy:
+            cases = {"states handed off": {}, "none handed off": {"state_handoff_bytes": 0}}
+        else:
+            cases = {"state affinity": {"state_affinity": True}, "Ray Serve's default": {"state_affinity": False}}
         for name, settings in cases.items():
             say(f"{name}: deploying")
             engine = {"max_slots": args.slots} if args.full_holder else {}
-            config = AppConfig(model=model_dir, replicas=args.replicas, ingress_replicas=args.ingress, num_cpus=0,
-                               num_gpus=share, engine=engine, **settings)
-            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-            run = run_full_holder if args.full_holder else run_threads
-            rows[name] = asyncio.run(run(f"http://127.0.0.1:{port}", args))
+
+            def deploy(replicas: int, settings=settings, engine=engine) -> None:
+                config = AppConfig(model=model_dir, replicas=replicas, ingress_replicas=args.ingress, num_cpus=0,
+                                   num_gpus=share, engine=engine, **settings)
+                serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+
+            deploy(args.replicas)
+            url = f"http://127.0.0.1:{port}"
+            if args.redeploy:
+                rows[name] = asyncio.run(run_redeploy(url, args, lambda: deploy(args.replicas - 1)))
+            else:
+                rows[name] = asyncio.run((run_full_holder if args.full_holder else run_threads)(url, args))
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
 
+    if args.redeploy:
+        print(f"{args.replicas} replicas ({what}), {args.threads} threads of {args.prefix} tokens; then the "
+              f"application deployed again with {args.replicas - 1}, and each thread's next turn of +{args.step} "
+              "tokens:\n")
+        print("| case | redeploy s | previous prompt found cached | prompt tokens from a cache | "
+              "latency ms, mean / p50 / max |")
+        print("|---|---:|---:|---:|---:|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['redeploy_s']:.1f} | {r['found']} of {r['turns']} | {r['cached']:.0%} | "
+                  f"{r['mean']:.0f} / {r['p50']:.0f} / {r['max']:.0f} |")
+        ours, base = rows
+        print(f"\nMean latency, {base} / {ours}: {rows[base]['mean'] / rows[ours]['mean']:.1f}×")
+        return
     if args.full_holder:
         print(f"{args.replicas} replicas ({what}, {args.slots} slots each), {args.threads} threads of "
               f"{args.prefix} tokens, each's next turn of +{args.step} tokens sent while the replica holding its "
