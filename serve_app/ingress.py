@@ -361,9 +361,10 @@ class Ingress:
         """The model, then `<model>:<name>` for each loaded init state (a request naming one runs
         from that state, as with `init_state`)."""
         states = (await self.states.list()).data
-        return [ModelObject(id=self.model_name, created=self.created),
-                *(ModelObject(id=f"{self.model_name}:{s.name}", created=s.created, parent=self.model_name)
-                  for s in sorted(states, key=lambda s: s.name))]
+        limit = self.config.engine.max_prompt_tokens
+        return [ModelObject(id=self.model_name, created=self.created, max_model_len=limit),
+                *(ModelObject(id=f"{self.model_name}:{s.name}", created=s.created, parent=self.model_name,
+                              max_model_len=limit) for s in sorted(states, key=lambda s: s.name))]
 
     # -- init states -----------------------------------------------------------------------
 

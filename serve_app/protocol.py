@@ -564,6 +564,9 @@ class ModelObject(BaseModel):
     created: int
     owned_by: str = "rwkv-fleet"
     parent: str | None = Field(None, description="for `<model>:<init state>`: the model it starts from that state")
+    max_model_len: int | None = Field(
+        None, description="vLLM's field, which clients read as the context's size: the prompt limit "
+        "(engine.max_prompt_tokens; a recurrent model has no context window)")
 
 
 class ModelList(BaseModel):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from .conftest import MODEL_NAME, REPLICAS, random_state_bytes, stats, wait_for
+from .conftest import MAX_PROMPT_TOKENS, MODEL_NAME, REPLICAS, random_state_bytes, stats, wait_for
 
 pytestmark = pytest.mark.serve
 
@@ -70,8 +70,10 @@ def test_each_loaded_state_is_a_model_clients_can_pick(client):
     that state (the text of init_state), and its reply names it."""
     assert upload(client, "pirate", random_state_bytes(seed=21)).status_code == 200
     try:
-        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        listed = client.get("/v1/models").json()["data"]
+        models = [m["id"] for m in listed]
         assert models[0] == MODEL_NAME and f"{MODEL_NAME}:pirate" in models
+        assert {m["max_model_len"] for m in listed} == {MAX_PROMPT_TOKENS}  # (vLLM's field: the prompt limit)
         assert client.get(f"/v1/models/{MODEL_NAME}:pirate").json()["parent"] == MODEL_NAME
         by_model = client.post("/v1/completions", json={**GREEDY, "model": f"{MODEL_NAME}:pirate"}).json()
         assert by_model["model"] == f"{MODEL_NAME}:pirate"
