@@ -124,6 +124,9 @@ class AppConfig(BaseModel):
     chat: ChatTemplate = ChatTemplate()
     default_max_tokens: int = Field(1024, ge=1, description="chat completions' max_tokens when a request sets none")
     states_dir: Path | None = Field(None, description="init states POST /v1/states may load by file name")
+    responses_dir: Path | None = Field(
+        None, description="where the Responses API's stored responses are kept too (a file, responses-<application>"
+        ".jsonl, on the node the registry runs on), so that they outlive the application; None: memory only")
     init_states: list[StateFromFile] = Field(
         [], description="files of states_dir loaded as init states when an ingress replica starts, each unless the "
         "catalog already has a state of its name (one DELETEd stays so until an ingress restarts)")
@@ -157,7 +160,7 @@ class AppConfig(BaseModel):
                 raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port] (no path), or \"*\"")
         return origins
 
-    @field_validator("model", "states_dir")
+    @field_validator("model", "states_dir", "responses_dir")
     @classmethod
     def _home(cls, path: Path | None) -> Path | None:
         return path.expanduser() if path is not None else None

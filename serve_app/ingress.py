@@ -163,7 +163,11 @@ class Ingress:
             self.tokenizer.eos_token_id = card.eos_token_id
         self.model_name = config.model_name or card.name
         self.created = int(time.time())
-        self.registry = connect_registry(serve.get_replica_context().app_name)
+        app_name = serve.get_replica_context().app_name
+        self.registry = connect_registry(app_name)
+        if config.responses_dir is not None:
+            path = config.responses_dir.resolve() / f"responses-{app_name}.jsonl"
+            await self.registry.keep_responses_in.remote(str(path))
         self.states = StateCatalog(self.registry, self.model_config, config.states_dir, config.state_sync_timeout_s)
         await self.states.load_configured(config.init_states)
 

@@ -6,7 +6,10 @@ the latest metrics each replica pushed (with the catalog version it has applied)
 the prompt prefixes the routers routed (router.py), through which each ingress replica's router
 learns the others' (and where the states a stopping replica handed off went: `took_states`), and
 the stored responses of the Responses API (each its turn's messages and
-the response it continues, the oldest dropped past STORED_RESPONSE_BYTES). Never on the path of a
+the response it continues, the oldest dropped past STORED_RESPONSE_BYTES), kept in a file too
+where the application names a directory (`keep_responses_in`: a line each put and delete, read
+back when a registry starts on it, rewritten with the stored ones alone once it holds twice their
+bytes). Never on the path of a
 request (but a router's first, which waits for its first trade, and a response that is stored or
 continues a stored one): the ingress reads it for /v1/states and /metrics, replicas push to it
 every few seconds and long-poll it for catalog changes, routers trade their new routings with it
@@ -25,7 +28,9 @@ import json
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -83,6 +88,42 @@ class _Report:
         return now - self.at < STALE_INTERVALS * self.interval_s + STALE_GRACE_S
 
 
+class _ResponseFile:
+    """The stored responses as JSON lines: {"id", "previous", "messages", "response"} for a put,
+    {"delete": id} for a delete."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.nbytes = self.path.stat().st_size if self.path.exists() else 0
+
+    def read(self) -> Iterator[dict]:
+        """Its records in order; a line a crash cut short (the last) is skipped."""
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        with self.path.open("ab") as f:
+            f.write(line)
+        self.nbytes += len(line)
+
+    def rewrite(self, records: Iterable[dict]) -> None:
+        """The file holds these alone (written beside it, then put in its place)."""
+        scratch = self.path.with_suffix(".rewrite")
+        with scratch.open("wb") as f:
+            for record in records:
+                f.write((json.dumps(record) + "\n").encode())
+        scratch.replace(self.path)
+        self.nbytes = self.path.stat().st_size
+
+
 @ray.remote
 class Registry:
     def __init__(self, response_bytes: int = STORED_RESPONSE_BYTES) -> None:
@@ -96,6 +137,7 @@ class Registry:
         # response id -> (the response it continues, its turn's messages, the response object, bytes)
         self._responses: OrderedDict[str, tuple[str | None, list[dict], dict, int]] = OrderedDict()
         self._response_bytes, self._response_budget = 0, response_bytes
+        self._response_file: _ResponseFile | None = None  # where they are kept too (keep_responses_in)
 
     # -- the init-state catalog ------------------------------------------------------------
 
@@ -203,15 +245,35 @@ class Registry:
 
     # -- stored responses ------------------------------------------------------------------
 
+    async def keep_responses_in(self, path: str) -> int:
+        """Keeps the stored responses in the file at `path` too: those it holds come back now (the
+        ones stored meanwhile stay, after them), and every put and delete goes there from now on.
+        Returns how many are stored. (Each ingress replica asks as it starts; once is enough.)"""
+        if self._response_file is not None and self._response_file.path == Path(path):
+            return len(self._responses)
+        file, meanwhile = _ResponseFile(Path(path)), list(self._responses.items())
+        self._responses.clear()
+        self._response_bytes = 0
+        for record in file.read():
+            if "delete" in record:
+                self._forget_response(record["delete"])
+            else:
+                self._keep_response(record["id"], record["previous"], record["messages"], record["response"])
+        for response_id, (previous, messages, response, _) in meanwhile:
+            self._keep_response(response_id, previous, messages, response)
+        self._response_file = file
+        file.rewrite(self._response_records())
+        return len(self._responses)
+
     async def put_response(self, response: dict, previous: str | None, messages: list[dict]) -> None:
         """Stores a response: the object, the response it continues, and its turn's chat messages
         (its input's, then its output's)."""
-        size = len(json.dumps(response)) + len(json.dumps(messages))
-        self._responses[response["id"]] = (previous, messages, response, size)
-        self._response_bytes += size
-        while self._response_bytes > self._response_budget and len(self._responses) > 1:
-            _, oldest = self._responses.popitem(last=False)
-            self._response_bytes -= oldest[3]
+        self._keep_response(response["id"], previous, messages, response)
+        if self._response_file is not None:
+            self._response_file.append({"id": response["id"], "previous": previous, "messages": messages,
+                                        "response": response})
+            if self._response_file.nbytes > 2 * max(self._response_bytes, min(self._response_budget, 1 << 20)):
+                self._response_file.rewrite(self._response_records())
 
     async def get_response(self, response_id: str) -> dict | None:
         stored = self._responses.get(response_id)
@@ -234,10 +296,30 @@ class Registry:
         return {"stored": len(self._responses), "bytes": self._response_bytes, "budget_bytes": self._response_budget}
 
     async def delete_response(self, response_id: str) -> bool:
+        found = self._forget_response(response_id)
+        if found and self._response_file is not None:
+            self._response_file.append({"delete": response_id})
+        return found
+
+    def _keep_response(self, response_id: str, previous: str | None, messages: list[dict], response: dict) -> None:
+        """Into memory, the oldest dropped past the budget."""
+        self._forget_response(response_id)
+        size = len(json.dumps(response)) + len(json.dumps(messages))
+        self._responses[response_id] = (previous, messages, response, size)
+        self._response_bytes += size
+        while self._response_bytes > self._response_budget and len(self._responses) > 1:
+            _, oldest = self._responses.popitem(last=False)
+            self._response_bytes -= oldest[3]
+
+    def _forget_response(self, response_id: str) -> bool:
         stored = self._responses.pop(response_id, None)
         if stored is not None:
             self._response_bytes -= stored[3]
         return stored is not None
+
+    def _response_records(self) -> Iterator[dict]:
+        for response_id, (previous, messages, response, _) in self._responses.items():
+            yield {"id": response_id, "previous": previous, "messages": messages, "response": response}
 
     # -- inside ----------------------------------------------------------------------------
 
