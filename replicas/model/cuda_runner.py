@@ -230,21 +230,33 @@ class CudaRunner(SlotStates):
     @torch.no_grad()
     def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """As prefill, with the logits after every token: [Σ len(chunk), V] fp32, row after row
-        (a prompt's every token scored). A row at a time, its kernels launched one by one, no
-        graph: the last layer and the head run over every token, not the tail. A new row's
-        first token takes the gemv step (fp32 activations), as in prefill."""
+        (a prompt's every token scored). All rows in one call, its kernels launched one by one, no
+        graph: the last layer and the head run over every token, not the tail. New rows' first
+        tokens take the gemv step (fp32 activations) first, as in prefill."""
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
-        outs = []
-        for row, chunk in zip(rows, chunks, strict=True):
-            fresh = row in self._fresh
-            self._fresh.discard(row)
-            groups, _ = plan([len(chunk)], [fresh])
-            steps = [([row], [chunk[0]], True)] if groups else []
-            rest = chunk[1:] if groups else chunk
-            outs += self._prefill_parts(steps, ([row], [rest]) if rest else None, every=True)
-        return torch.cat(outs)
+        fresh = [row in self._fresh for row in rows]
+        self._fresh.difference_update(rows)
+        groups, rest = plan([len(c) for c in chunks], fresh)
+        went_on = [chunks[i][1:] if groups and fresh[i] else chunks[i] for i in rest]
+        steps = [([rows[i] for i in group], [chunks[i][0] for i in group], True) for group in groups]
+        outs = self._prefill_parts(steps, ([rows[i] for i in rest], went_on) if rest else None, every=True)
+        if not groups:
+            return outs[0]
+        # each row's logits in order: its first token's from its step, then its call's, row after row
+        first, at = {}, 0
+        for group, out in zip(groups, outs, strict=False):
+            first.update((i, at + j) for j, i in enumerate(group))
+            at += out.shape[0]
+        order, call = [], {}
+        for i, chunk in zip(rest, went_on, strict=True):
+            call[i] = range(at, at + len(chunk))
+            at += len(chunk)
+        for i in range(len(rows)):
+            order += [first[i]] if i in first else []
+            order += call.get(i, [])
+        return torch.cat([out for out in outs if out is not None]).index_select(0, self._to_device(torch.tensor(order)))
 
     def _prefill_parts(self, steps: Sequence[tuple[Sequence[int], Sequence[int], bool]],
                        call: tuple[Sequence[int], Sequence[Sequence[int]]] | None,

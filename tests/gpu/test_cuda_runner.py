@@ -155,27 +155,29 @@ def test_fresh_rows_start_on_the_fp32_path(pair):
 
 @pytest.mark.parametrize("wkv", ["chunked", "short"])
 def test_prefill_all_gives_the_logits_after_every_token(pair, wkv):
-    """prefill_all (a prompt's every token scored): the logits after each token of each row, rows
-    in turn, as the reference's; a fresh row's first token on the fp32 path; the states as after
-    prefill. chunked: the large path (its last layer and head over every token, not the tail);
-    short: the gemv path's head over every token."""
+    """prefill_all (a prompt's every token scored), its rows in one call: the logits after each
+    token of each row, rows in turn, as the reference's; a fresh row's first token on the fp32
+    path; the states as after prefill. chunked: the large path (its last layer and head over every
+    token, not the tail); short: the gemv path's head over every token."""
     runner, ref = pair
     runner.prefill_wkv = "chunked" if wkv == "chunked" else "recurrent"
     V = ref.vocab_size
-    slots = [1, 4]
+    slots = [1, 4, 2]  # fresh, going on, fresh with one token (its first token's step alone)
     start_from_random_states(runner, ref, [4], seed=50)
-    runner.reset(1)
-    ref.reset(1)
-    lengths = (90, 40) if wkv == "chunked" else (9, 5)
+    for slot in (1, 2):
+        runner.reset(slot)
+        ref.reset(slot)
+    lengths = (90, 40, 1) if wkv == "chunked" else (9, 5, 1)
     chunks = [tokens(n, V, 51 + n) for n in lengths]
     ours, theirs = runner.prefill_all(slots, chunks), ref.prefill_all(slots, chunks)
     assert ours.shape == theirs.shape == (sum(lengths), V) and ours.dtype == torch.float32
     for row, (a, b) in enumerate(zip(ours.split(lengths), theirs.split(lengths), strict=True)):
         assert rel_err(a, b) <= TOLERANCE, f"row {row}"
         assert rel_err(a[-1], b[-1]) <= TOLERANCE, f"row {row}'s last token"
-    assert rel_err(ours[0], theirs[0]) <= 1e-4  # the fresh row's first token: fp32 activations
+    assert rel_err(ours[0], theirs[0]) <= 1e-4  # the fresh rows' first tokens: fp32 activations
+    assert rel_err(ours[-1], theirs[-1]) <= 1e-4
     assert_states_close(runner, ref, slots)
-    toks = tokens(2, V, 59)  # and the rows go on from there
+    toks = tokens(len(slots), V, 59)  # and the rows go on from there
     assert rel_err(runner.decode(slots, toks), ref.decode(slots, toks)) <= TOLERANCE
     runner.prefill_wkv = "recurrent"
 
