@@ -803,10 +803,13 @@ class Engine:
         if scored:
             every = self._prefill_call("prefill_all", scored)
             if every is not None:
-                per_row = every.split([len(chunk) for _, chunk in scored])
-                for (row, chunk), logits in zip(scored, per_row, strict=True):
-                    row.scores.append(PromptScores.of(chunk, row.logits, logits, row.scored))
-                self._prefilled(scored, [logits[-1].clone() for logits in per_row])  # (not views of it all)
+                chunks = [chunk for _, chunk in scored]
+                scores = PromptScores.of_call(chunks, [row.logits for row, _ in scored], every,
+                                              [row.scored for row, _ in scored])
+                for (row, _), row_scores in zip(scored, scores, strict=True):
+                    row.scores.append(row_scores)
+                ends = torch.tensor([len(chunk) for chunk in chunks], device=every.device).cumsum(0) - 1
+                self._prefilled(scored, every.index_select(0, ends).unbind(0))  # (a copy: not views of the whole)
 
     def _prefill_call(self, kind: str, plan: list[tuple[_Row, list[int]]]) -> Tensor | None:
         rows = [row for row, _ in plan]

@@ -27,23 +27,37 @@ class PromptScores:
     top_logprobs: Tensor  # [n, k] fp32
 
     @staticmethod
-    def of(chunk: Sequence[int], before: Tensor | None, logits: Tensor, k: int) -> PromptScores:
-        """The chunk's scores, from the logits after each of its tokens ([len(chunk), V]) and the
-        logits before its first token (`before`, [V]; None at a prompt's start). The model's
-        distribution as it is: no temperature, penalty or bias."""
-        rows = logits[:-1] if before is None else torch.cat([before[None].to(logits.dtype), logits[:-1]])
-        logprobs = torch.log_softmax(rows.float(), dim=-1)
-        scored = torch.tensor(chunk[len(chunk) - rows.shape[0]:], dtype=torch.int64, device=logprobs.device)
-        chosen = logprobs.gather(1, scored[:, None])[:, 0]
-        if k:
-            top_lp, top_ids = logprobs.topk(k, dim=-1)
-        else:
-            top_lp, top_ids = logprobs[:, :0], scored[:, None][:, :0]
-        if before is None:  # the first token: nothing scores it
-            chosen = torch.cat([chosen.new_full((1,), math.nan), chosen])
-            top_lp = torch.cat([top_lp.new_full((1, k), math.nan), top_lp])
-            top_ids = torch.cat([top_ids.new_full((1, k), -1), top_ids])
-        return PromptScores(chosen.cpu(), top_ids.cpu(), top_lp.cpu())
+    def of_call(chunks: Sequence[Sequence[int]], befores: Sequence[Tensor | None], logits: Tensor,
+                ks: Sequence[int]) -> list[PromptScores]:
+        """Each chunk's scores with ks[i] alternatives, from one call's logits after every token
+        ([Σ len(chunk), V], row after row) and each row's logits before its chunk's first token
+        (`befores`, [V] each; None at a prompt's start, whose first token nothing scores). The
+        model's distribution as it is: no temperature, penalty or bias. One pass over the logits
+        for all rows (a logsumexp, a gather and a top-k; no log-softmax written out), and one copy
+        to the host."""
+        before_each, scored = [], []
+        for chunk, before, after in zip(chunks, befores, logits.split([len(c) for c in chunks]), strict=True):
+            before_each += [] if before is None else [before[None].to(logits.dtype)]
+            before_each.append(after[:-1])
+            scored += chunk if before is not None else chunk[1:]
+        rows = torch.cat(before_each)
+        lse = torch.logsumexp(rows, dim=-1, keepdim=True)
+        chosen = rows.gather(1, torch.tensor(scored, dtype=torch.int64, device=rows.device)[:, None]) - lse
+        top, top_ids = rows.topk(max(ks), dim=-1)
+        # token ids are exact in fp32 (below 2**24): one tensor, one copy
+        host = torch.cat([chosen, top - lse, top_ids.to(rows.dtype)], dim=1).cpu()
+        out, at, k_max = [], 0, max(ks)
+        for chunk, before, k in zip(chunks, befores, ks, strict=True):
+            n = len(chunk) - (before is None)
+            part = host[at:at + n]
+            at += n
+            lp, top_lp, ids = part[:, 0], part[:, 1:1 + k], part[:, 1 + k_max:1 + k_max + k].to(torch.int64)
+            if before is None:
+                lp = torch.cat([lp.new_full((1,), math.nan), lp])
+                top_lp = torch.cat([top_lp.new_full((1, k), math.nan), top_lp])
+                ids = torch.cat([ids.new_full((1, k), -1), ids])
+            out.append(PromptScores(lp.clone(), ids, top_lp.clone()))
+        return out
 
     @staticmethod
     def join(parts: Sequence[PromptScores]) -> PromptScores:
