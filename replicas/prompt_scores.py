@@ -37,16 +37,18 @@ class PromptScores:
         to the host."""
         before_each, scored = [], []
         for chunk, before, after in zip(chunks, befores, logits.split([len(c) for c in chunks]), strict=True):
-            before_each += [] if before is None else [before[None].to(logits.dtype)]
+            if before is not None:
+                before_each.append(before[None].to(logits.dtype))
             before_each.append(after[:-1])
             scored += chunk if before is not None else chunk[1:]
-        rows = torch.cat(before_each)
+        rows = torch.cat(before_each).float()
         lse = torch.logsumexp(rows, dim=-1, keepdim=True)
         chosen = rows.gather(1, torch.tensor(scored, dtype=torch.int64, device=rows.device)[:, None]) - lse
-        top, top_ids = rows.topk(max(ks), dim=-1)
+        k_max = max(ks)
+        top, top_ids = rows.topk(k_max, dim=-1)
         # token ids are exact in fp32 (below 2**24): one tensor, one copy
-        host = torch.cat([chosen, top - lse, top_ids.to(rows.dtype)], dim=1).cpu()
-        out, at, k_max = [], 0, max(ks)
+        host = torch.cat([chosen, top - lse, top_ids.float()], dim=1).cpu()
+        out, at = [], 0
         for chunk, before, k in zip(chunks, befores, ks, strict=True):
             n = len(chunk) - (before is None)
             part = host[at:at + n]
