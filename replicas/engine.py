@@ -27,7 +27,10 @@ and iterate its events. One step of the loop:
      text while the device decodes. On a GPU a step's events reach the callers while the next
      step waits for the device to sample (their event loop, which needs the GIL, then runs
      beside that wait, not beside the next step's host work); elsewhere, or when nothing is
-     left to sample, at the step's end.
+     left to sample, at the step's end. With `speculative_tokens` on, a row whose own earlier
+     tokens suggest what comes next (speculation.py) feeds those drafts in one call instead,
+     samples every position at once and keeps the drafts its sampling agrees with: several
+     tokens for one call, the same tokens as step 5 would have emitted.
 
 Every way a row ends (stop, length, cancelled, error) goes through `_finish`: the slot is freed,
 the state (prompt + generated tokens) is published to the prefix cache, and the caller is
@@ -63,6 +66,7 @@ from .output import OutputStream
 from .prompt_scores import PromptScores
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
 from .slots import Choice, Phase, SlotChoice, SlotTable
+from .speculation import Drafter, kept
 from .state_cache import PrefixStateCache, Snapshot
 from .state_files import DiskTier
 from .tokenizer import Tokenizer
@@ -93,6 +97,10 @@ class EngineConfig(BaseModel):
         "prompts arriving at nearby steps share one call (on a GPU each call is a pass over the weights): more "
         "tokens a second for a later first token; a budget of max_prefill_tokens waiting goes at once. 1: a call "
         "every step that has prompt tokens")
+    speculative_tokens: int = Field(
+        0, ge=0, le=16, description="speculative decoding by prompt lookup (speculation.py): up to this many "
+        "tokens a row guesses from its own earlier tokens, fed in one call and kept as far as sampling agrees "
+        "with them; rows with penalties or a constraint (JSON mode, a pattern) decode plainly. 0: off")
 
     @model_validator(mode="after")
     def _a_directory_for_a_budget(self) -> EngineConfig:
@@ -288,6 +296,8 @@ class _Row:
     followed: bool = False  # waited for another row's prompt (_leader)
     publish_at: set[int] = field(default_factory=set)  # prompt lengths whose states rows wait for (_leader)
     parked: tuple[RNNState, Tensor] | None = None  # a parked row's state and penalty counts (_park_for)
+    drafter: Drafter | None = None  # consumed + unfed, for speculative drafts (_drafts)
+    unfed: list[int] = field(default_factory=list)  # emitted tokens its state has not consumed yet (_speculate)
     arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
 
@@ -600,7 +610,12 @@ class Engine:
             self._finish(row, "cancelled")
         self._admit()
         self._run_prefill(self._plan_prefill())
-        self._sample([r for r in self._rows.values() if r.due])
+        rows = [r for r in self._rows.values() if r.due or (r.unfed and r.slot is not None)]
+        drafts = self._drafts(rows)
+        if drafts or any(r.unfed for r in rows):
+            self._speculate(rows, drafts)
+        else:
+            self._sample(rows)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -929,6 +944,113 @@ class Engine:
         else:
             self.histograms.first_token.observe(now - row.arrived)
         row.last_token_at = now
+
+    # -- speculative decoding (speculation.py) -------------------------------------------------
+
+    def _drafts(self, rows: list[_Row]) -> dict[int, list[int]]:
+        """The drafts of the rows that have some this step, by uid: with speculative_tokens on,
+        rows without penalties or a constraint whose own tokens suggest what follows them (after
+        any tokens not yet fed), at most as many as max_tokens leaves room for beside the token
+        sampled anyway; none for a row with more than speculative_tokens tokens to feed (so that
+        its call stays small)."""
+        k = self.config.speculative_tokens
+        drafts = {}
+        for row in rows if k else ():
+            params = row.request.params
+            if params.penalized or params.constrained or len(row.unfed) > k:
+                continue
+            if row.drafter is None:
+                row.drafter = Drafter()
+            if not row.unfed:  # (else _speculate keeps it: consumed + unfed only grows)
+                row.drafter.sync(row.consumed)
+            if found := row.drafter.propose(min(k, params.max_tokens - row.output.count - 1)):
+                drafts[row.uid] = found
+        return drafts
+
+    def _speculate(self, rows: list[_Row], drafts: dict[int, list[int]]) -> None:
+        """A step of speculative decoding, for every row that samples (step 5's alternative: feed,
+        then sample). Each row's tokens not yet fed and its drafts (if any) go in one call, from
+        states copied aside first (prefill_all where a row has drafts; else the decode, or a
+        prefill); every position of every row is sampled in one call (position i from the logits
+        after the row's drafts[:i]), and each row emits the tokens it keeps (speculation.kept), as
+        plain decoding would have emitted them. A row that kept all its drafts keeps the call's
+        state, and the token after them waits to be fed by the next step; another gets its
+        copied state back, and every token it emitted waits. So the state and `logits` are always
+        after `consumed`, and a row's next token follows `consumed + unfed`."""
+        self._decoded = None  # (_sample's shortcut: these rows' logits change here)
+        chunks = [drafts.get(row.uid, []) for row in rows]
+        fed = [row.unfed + chunk for row, chunk in zip(rows, chunks, strict=True)]
+        called = [i for i, f in enumerate(fed) if f]
+        saved = {i: self.runner.read_state(rows[i].slot) for i in called if chunks[i]}
+        after, ends = None, {}
+        if called:
+            slots = [rows[i].slot for i in called]
+            if saved:
+                after = self._model_call("prefill_all", [rows[i] for i in called], slots, [fed[i] for i in called])
+                ends = dict(zip(called, itertools.accumulate(len(fed[i]) for i in called), strict=True))
+            elif all(len(fed[i]) == 1 for i in called):
+                after = self._model_call("decode", [rows[i] for i in called], slots, [fed[i][0] for i in called])
+            else:
+                after = self._model_call("prefill", [rows[i] for i in called], slots, [fed[i] for i in called])
+            if after is None:
+                return  # (the call's rows ended; the others sample next step)
+            ends = ends or {i: j + 1 for j, i in enumerate(called)}
+        # each row's positions: the logits after its unfed tokens (its own, with none), then after each draft
+        positions = [row.logits[None] if not fed[i] else after[ends[i] - len(chunks[i]) - 1 : ends[i]] if row.unfed
+                     else torch.cat([row.logits[None], after[ends[i] - len(chunks[i]) : ends[i]]])
+                     for i, row in enumerate(rows)]
+        counts = [len(chunk) + 1 for chunk in chunks]
+
+        def each(values: list) -> list:  # a value a row, for each of its positions
+            return [v for v, n in zip(values, counts, strict=True) for _ in range(n)]
+
+        banned = self._banned(rows)
+        rngs = [row.rng.getstate() for row in rows]
+        try:
+            out = self.sampler.choose(torch.cat(positions), each([row.slot for row in rows]),
+                                      each([row.request.params for row in rows]),
+                                      [row.rng.random() for row, n in zip(rows, counts, strict=True) for _ in range(n)],
+                                      each(banned) if banned else None).result()
+        except Exception as err:
+            log.exception("sampling failed")
+            for row in rows:
+                self._finish(row, "error", f"sampling failed: {err}")
+            return
+        now, at = time.perf_counter(), 0
+        for i, (row, chunk, n, rng) in enumerate(zip(rows, chunks, counts, rngs, strict=True)):
+            tokens, logprobs = out.tokens[at : at + n], out.logprobs[at : at + n]
+            at += n
+            emitted, goes_on, text, finish = [], [], "", None
+            keep = kept(chunk, tokens)  # its drafts sampling agreed with, and one token more
+            for token in keep:
+                if row.output.goes_on(token):
+                    goes_on.append(token)
+                step = row.output.push(token)
+                emitted.append(token)
+                text += step.text
+                if finish := step.finish:
+                    break
+            row.rng.setstate(rng)  # one uniform a token emitted, as plain decoding draws them
+            for _ in emitted:
+                row.rng.random()
+            chosen = logprobs[: len(emitted)]
+            self._deliver(row, Delta(text, tuple(emitted), None if chosen[0] is None else tuple(chosen)))
+            self._timed(row, now)
+            self.stats["generated_tokens"] += len(emitted)
+            self.stats["drafted_tokens"] += len(chunk)
+            self.stats["accepted_drafts"] += min(len(keep) - 1, len(emitted))
+            if goes_on[: len(chunk)] == chunk:  # the call's state is after what the row consumes
+                row.consumed += fed[i]
+                row.logits = after[ends[i] - 1] if fed[i] else row.logits
+                row.unfed = goes_on[len(chunk) :]
+            else:
+                self.runner.write_state(row.slot, saved[i])
+                row.unfed = row.unfed + goes_on
+            if row.drafter is not None:
+                row.drafter.extend(goes_on)
+            row.fresh = False
+            if finish:
+                self._finish(row, finish)
 
     def _banned(self, rows: list[_Row]) -> list[Tensor | None] | None:
         """Each row's banned tokens (JSON mode), or None when no row has any."""

@@ -74,6 +74,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from replicas.sampling import SamplingParams
 
     schema = _read_schema(args.schema) if args.schema else None  # (checked before the model loads)
+    try:
+        config = EngineConfig(max_slots=1, max_prompt_tokens=1 << 30, speculative_tokens=args.speculative_tokens)
+    except ValueError as err:  # (pydantic's, naming the bound)
+        raise CliError(f"--speculative-tokens: {err.errors()[0]['msg']}") from None
     runner, tokenizer, card = open_model(args.model, max_slots=1, device=args.device, progress=say)
     init = None
     if args.state:  # checked before the engine starts: a file that does not fit is one line
@@ -90,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     params.validate(runner.vocab_size)
     prompt = tokenizer.encode(args.prompt)
-    engine = Engine(runner, tokenizer, EngineConfig(max_slots=1, max_prompt_tokens=1 << 30))
+    engine = Engine(runner, tokenizer, config)
 
     async def stream() -> Finished | None:
         finished = None
@@ -170,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "model's .pth or safetensors (RWKV-PEFT's time_state)")
     generate.add_argument("--json", action="store_true", help="JSON mode: the output is one JSON object")
     generate.add_argument("--schema", help="JSON mode with a schema: a JSON Schema file the output is an instance of")
+    generate.add_argument("--speculative-tokens", type=int, default=0, metavar="N",
+                          help="speculative decoding: guess up to N tokens a step from the text so far (0: off)")
     generate.set_defaults(run=cmd_generate)
 
     serve = sub.add_parser("serve", help="start a local Ray and serve the OpenAI-compatible API")

@@ -27,6 +27,8 @@ _HELP = {
     "continued_tokens": "prompt tokens skipped by continuing an idle slot",
     "busy_refusals": "requests refused because the waiting queue was full",
     "preempted": "requests parked to give their slot to a more urgent one (they go on later)",
+    "drafted_tokens": "speculative decoding: tokens guessed from a request's own earlier tokens and fed",
+    "accepted_drafts": "speculative decoding: guessed tokens that sampling kept (each saved a model call)",
     "followed_prompts": "requests that waited for another's prompt state instead of prefilling it beside it",
     "json_mode_requests": "requests in JSON mode (a JSON object, a schema's, or a tool call)",
     "pattern_requests": "requests whose reply a pattern constrains (structured outputs' regex or choice)",

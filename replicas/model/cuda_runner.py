@@ -230,9 +230,10 @@ class CudaRunner(SlotStates):
     @torch.no_grad()
     def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """As prefill, with the logits after every token: [Σ len(chunk), V] fp32, row after row
-        (a prompt's every token scored). All rows in one call, its kernels launched one by one, no
-        graph: the last layer and the head run over every token, not the tail. New rows' first
-        tokens take the gemv step (fp32 activations) first, as in prefill."""
+        (a prompt's every token scored, or speculative decoding's drafts). All rows in one call,
+        its kernels launched one by one (a call of EXACT_PREFILL tokens or fewer, padded, replays
+        a graph as prefill's do): the last layer and the head run over every token, not the tail.
+        New rows' first tokens take the gemv step (fp32 activations) first, as in prefill."""
         self._check_rows(rows, len(chunks))
         if any(len(c) == 0 for c in chunks):
             raise ValueError("every chunk needs at least one token")
@@ -265,7 +266,7 @@ class CudaRunner(SlotStates):
         AUTO_PATH_MAX rows, then a prefill call (rows, chunks), one after the other, each padded
         to its buckets with rows on the scratch slot (one graph for every call of the same
         buckets): the real rows' logits (None for a step that wants none); with `every`, the
-        call's are after each of its tokens, and no graph runs it."""
+        call's are after each of its tokens, and a graph runs it only on the gemv path."""
         real = [len(rows) for rows, _, _ in steps]
         if call is not None:
             real.append(sum(len(c) for c in call[1]) if every else len(call[0]))
@@ -289,7 +290,11 @@ class CudaRunner(SlotStates):
                 outs.append(self._prefill_body(self._batch_views(views[-1], layout)))
             return outs
 
-        graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs and not every else None
+        # (`every` only for calls of the gemv path's few tokens, speculative decoding's: a scored
+        # prompt's call would hold its [tokens, V] logits in the graphs' pool)
+        small = layout is not None and layout[0][0] <= EXACT_PREFILL
+        graph = self._prefill_graph(key, host, body) if self.graphs and self.prefill_graphs and (
+            small or not every) else None
         if graph is None:
             return [None if out is None else out[:n] for out, n in zip(body(self._to_device(host)), real, strict=True)]
         captured, static, outs = graph

@@ -182,6 +182,24 @@ def test_prefill_all_gives_the_logits_after_every_token(pair, wkv):
     runner.prefill_wkv = "recurrent"
 
 
+def test_a_small_prefill_all_replays_a_graph(pair):
+    """Speculative decoding's calls: rows going on by a few tokens each, the logits after every
+    token. The shape's first call launches its kernels, the second captures them, later ones
+    replay the graph: each as the reference's, and the states after them."""
+    runner, ref = pair
+    runner.prefill_wkv = "recurrent"
+    slots, lengths = [3, 0], (5, 3)
+    start_from_random_states(runner, ref, slots, seed=70)
+    before = set(runner._prefill_graphs)
+    for call in range(4):
+        chunks = [tokens(n, ref.vocab_size, 71 + 7 * call + n) for n in lengths]
+        ours, theirs = runner.prefill_all(slots, chunks), ref.prefill_all(slots, chunks)
+        assert ours.shape == theirs.shape == (sum(lengths), ref.vocab_size)
+        assert rel_err(ours, theirs) <= TOLERANCE, f"call {call}"
+    assert len(set(runner._prefill_graphs) - before) == 1  # (one shape: one graph)
+    assert_states_close(runner, ref, slots)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 6, 8])
 def test_decode_steps(pair, batch):
     """batch 1 and 2: gemv on the FMA units; 6: gemv on the tensor cores; 8 with small_batch 4: cuBLAS."""

@@ -62,11 +62,13 @@ def test_greedy_text_matches_the_cpu_path_batched(model_dir, cpu_greedy):
         assert ours == theirs, f"{prompt!r}: {tokenizer.decode(ours)!r} != {tokenizer.decode(theirs)!r}"
 
 
-@pytest.mark.parametrize("where", ["this process", "a process of its own"])
-def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, where):
-    """The engine as a replica runs it (replicas/engine_process.py), and in this process."""
+@pytest.mark.parametrize(("where", "speculative"), [("this process", 0), ("a process of its own", 0),
+                                                    ("this process", 4)])
+def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, where, speculative):
+    """The engine as a replica runs it (replicas/engine_process.py), and in this process; with
+    speculative decoding, whose drafts' calls (prefill_all of a few tokens) replay graphs."""
     tokenizer, expected = cpu_greedy
-    config = EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40)
+    config = EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40, speculative_tokens=speculative)
     if where == "this process":
         runner, _, _ = open_model(model_dir, max_slots=4, device="cuda")
         engine = Engine(runner, tokenizer, config).start()
@@ -89,9 +91,11 @@ def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, wher
     try:
         results = asyncio.run(all_prompts())
         engine.check_integrity()
+        stats = engine.snapshot_stats()["counters"]
     finally:
         engine.stop()
     assert results == expected
+    assert (stats.get("accepted_drafts", 0) > 0) == bool(speculative)
 
 
 def test_json_mode_on_the_gpu_writes_the_cpus_json(model_dir):

@@ -59,6 +59,8 @@ def test_generate_uses_the_demo_model_by_default():
     result = cli("generate", "--max-tokens", "16", "--temperature", "0", "import os\n")
     assert result.returncode == 0, result.stderr
     assert "rwkv7-demo-pystdlib" in result.stderr
+    fast = cli("generate", "--max-tokens", "16", "--temperature", "0", "--speculative-tokens", "4", "import os\n")
+    assert fast.returncode == 0 and fast.stdout == result.stdout  # speculative decoding: the same text
 
 
 def test_generate_in_json_mode_with_a_schema(tmp_path):
@@ -127,6 +129,7 @@ def test_convert_needs_a_tokenizer_for_another_vocabulary(tmp_path):
 def test_generate_refuses_bad_input_in_one_line(tmp_path):
     refused(cli("generate", "--model", str(tmp_path), "x"), "config.json")
     refused(cli("generate", "--temperature", "9", "x"), "temperature")
+    refused(cli("generate", "--speculative-tokens", "99", "x"), "speculative-tokens: Input should be less")
     refused(cli("generate", "--state", str(tmp_path / "none.pth"), "x"), "none.pth: No such file")
     (tmp_path / "text.pth").write_text("not a state")
     refused(cli("generate", "--state", str(tmp_path / "text.pth"), "x"), "text.pth: not a safetensors file")

@@ -1,0 +1,123 @@
+"""Speculative decoding by prompt lookup (`EngineConfig.speculative_tokens`) against plain decoding:
+the engine (no Ray) on the demo model, the same requests with each setting, side by side in one run.
+
+Two workloads of 4 requests, 128 new tokens each:
+  * "rewrite": a piece of Python the demo model never trained on (models/demo/heldout_excerpt.txt),
+    then its first lines again, as when a model is asked to repeat or edit code it was given;
+  * "free": the tests' short Python prompts, continued freely (drafts only from what the model's own
+    output repeats).
+Each is sent one request at a time and all 4 at once, greedy and sampled (temperature 0.7, top-p
+0.9, seeded). The settings take turns within each round; medians over the rounds. Columns:
+generated tokens/s and its ratio to plain decoding, the share of drafts kept, and generated tokens
+per model call. Sampled rows are seeded, so every setting emits the same tokens (checked).
+
+    python bench/speculative.py [--device cpu|cuda] [--rounds 3] [--tokens 128] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from replicas.engine import Delta, Engine, EngineConfig, Request  # noqa: E402
+from replicas.model.loader import default_model_dir, open_model  # noqa: E402
+from replicas.sampling import SamplingParams  # noqa: E402
+from tests.prompts import PYTHON_PROMPTS  # noqa: E402
+
+SETTINGS = (0, 2, 4, 8)  # speculative_tokens; 0 is plain decoding
+CALLS = ("decode_calls", "prefill_calls", "prefill_all_calls")
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def workloads(tokenizer) -> dict[str, list[list[int]]]:
+    text = (default_model_dir() / "heldout_excerpt.txt").read_text()
+    lines = text.splitlines(keepends=True)
+    pieces = ["".join(lines[at : at + 24]) for at in range(0, 96, 24)]  # 4 pieces of 24 lines
+    rewrite = [tokenizer.encode(f"{p}\n\n# The same, again:\n{''.join(p.splitlines(keepends=True)[:2])}")
+               for p in pieces]
+    return {"rewrite": rewrite, "free": [tokenizer.encode(p) for p in PYTHON_PROMPTS[:4]]}
+
+
+async def run_case(engine: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> list[tuple]:
+    async def one(prompt: list[int]) -> tuple:
+        tokens = []
+        async for event in engine.generate(Request(prompt, params)):
+            if isinstance(event, Delta):
+                tokens += event.token_ids
+        return tuple(tokens)
+
+    if together:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return [await one(p) for p in prompts]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads on the CPU (a served CPU replica's: 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runner, tokenizer, _ = open_model(default_model_dir(), max_slots=4, device=args.device, progress=say)
+    runner.warm_up(say)
+    loads = workloads(tokenizer)
+    samplings = {"greedy": SamplingParams(max_tokens=args.tokens, temperature=0.0),
+                 "sampled": SamplingParams(max_tokens=args.tokens, temperature=0.7, top_p=0.9, seed=11)}
+    cases = [(w, s, together) for w in loads for s in samplings for together in (False, True)]
+    rates: dict[tuple, list[float]] = {}
+    counts: dict[tuple, list[tuple[int, int, int]]] = {}  # (generated, drafted, accepted) and calls
+    outputs: dict[tuple, list] = {}
+    config = {"max_slots": 4, "max_prefill_tokens": 2048, "token_chunk_size": 2048}
+    for r in range(args.rounds):
+        say(f"round {r + 1} of {args.rounds}")
+        for case in cases:
+            work, sampling, together = case
+            for k in SETTINGS:
+                # a fresh engine a case: nothing cached from the last one, so each setting prefills the same
+                engine = Engine(runner, tokenizer, EngineConfig(speculative_tokens=k, **config)).start()
+                try:
+                    start = time.perf_counter()
+                    out = asyncio.run(run_case(engine, loads[work], samplings[sampling], together))
+                    seconds = time.perf_counter() - start
+                    stats = engine.snapshot_stats()["counters"]
+                finally:
+                    engine.stop()
+                generated = sum(len(o) for o in out)
+                rates.setdefault((*case, k), []).append(generated / seconds)
+                counts.setdefault((*case, k), []).append(
+                    (generated, stats.get("drafted_tokens", 0), stats.get("accepted_drafts", 0),
+                     sum(stats.get(c, 0) for c in CALLS)))
+                first = outputs.setdefault(case, out)
+                if out != first:
+                    say(f"!! {work} {sampling} {'together' if together else 'one at a time'}: "
+                        f"speculative_tokens={k} emitted other tokens than plain decoding")
+    print(f"\nspeculative decoding, demo model on {runner.device}, {args.rounds} rounds, "
+          f"{args.tokens} tokens a request (prompt tokens prefilled in every setting alike)\n")
+    print("| workload | sampling | requests | speculative_tokens | tokens/s | × plain | drafts kept | tokens a call |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for case in cases:
+        work, sampling, together = case
+        base = statistics.median(rates[(*case, 0)])
+        for k in SETTINGS:
+            rate = statistics.median(rates[(*case, k)])
+            generated, drafted, accepted, calls = (sum(x) for x in zip(*counts[(*case, k)], strict=True))
+            kept = f"{accepted / drafted:.0%}" if drafted else "—"
+            print(f"| {work} | {sampling} | {'4 at once' if together else '1 at a time'} | {k or 'off'} | "
+                  f"{rate:,.1f} | {rate / base:.2f} | {kept} | {generated / calls:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
