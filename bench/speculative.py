@@ -2,10 +2,14 @@
 the engine (no Ray) on the demo model, the same requests with each setting, side by side in one run.
 
 Two workloads of 4 requests, 128 new tokens each:
-  * "rewrite": a piece of Python the demo model never trained on (models/demo/heldout_excerpt.txt),
-    then its first lines again, as when a model is asked to repeat or edit code it was given;
-  * "free": the tests' short Python prompts, continued freely (drafts only from what the model's own
-    output repeats).
+  * "echo": the tests' short Python prompts, each followed by what the model wrote after it (greedy,
+    made first in a plain engine) and then by the prompt again, as when a conversation asks for its
+    last answer again or an agent re-runs a step: the model tends to write it again, and the
+    drafts come from its earlier answer;
+  * "free": the same prompts alone, continued freely (drafts only from what the model's own output
+    repeats).
+(The demo model is too small to copy a piece of code it has just read, so a "rewrite this code"
+workload keeps few drafts with it: its tokens follow what it learnt, not its prompt.)
 Each is sent one request at a time and all 4 at once, greedy and sampled (temperature 0.7, top-p
 0.9, seeded). The settings take turns within each round; medians over the rounds. Columns:
 generated tokens/s and its ratio to plain decoding, the share of drafts kept, and generated tokens
@@ -41,13 +45,15 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def workloads(tokenizer) -> dict[str, list[list[int]]]:
-    text = (default_model_dir() / "heldout_excerpt.txt").read_text()
-    lines = text.splitlines(keepends=True)
-    pieces = ["".join(lines[at : at + 24]) for at in range(0, 96, 24)]  # 4 pieces of 24 lines
-    rewrite = [tokenizer.encode(f"{p}\n\n# The same, again:\n{''.join(p.splitlines(keepends=True)[:2])}")
-               for p in pieces]
-    return {"rewrite": rewrite, "free": [tokenizer.encode(p) for p in PYTHON_PROMPTS[:4]]}
+def workloads(runner, tokenizer, tokens: int) -> dict[str, list[list[int]]]:
+    free = [tokenizer.encode(p) for p in PYTHON_PROMPTS[:4]]
+    engine = Engine(runner, tokenizer, EngineConfig(max_slots=4)).start()
+    try:
+        answers = asyncio.run(run_case(engine, free, SamplingParams(max_tokens=tokens, temperature=0.0), True))
+    finally:
+        engine.stop()
+    echo = [p + list(a) + tokenizer.encode("\n\n\n") + p for p, a in zip(free, answers, strict=True)]
+    return {"echo": echo, "free": free}
 
 
 async def run_case(engine: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> list[tuple]:
@@ -68,19 +74,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--max-rows", type=int, default=4, help="speculative_max_rows (the engine's default: 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch's threads on the CPU (a served CPU replica's: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner, tokenizer, _ = open_model(default_model_dir(), max_slots=4, device=args.device, progress=say)
     runner.warm_up(say)
-    loads = workloads(tokenizer)
+    loads = workloads(runner, tokenizer, args.tokens)
     samplings = {"greedy": SamplingParams(max_tokens=args.tokens, temperature=0.0),
                  "sampled": SamplingParams(max_tokens=args.tokens, temperature=0.7, top_p=0.9, seed=11)}
     cases = [(w, s, together) for w in loads for s in samplings for together in (False, True)]
     rates: dict[tuple, list[float]] = {}
     counts: dict[tuple, list[tuple[int, int, int]]] = {}  # (generated, drafted, accepted) and calls
     outputs: dict[tuple, list] = {}
-    config = {"max_slots": 4, "max_prefill_tokens": 2048, "token_chunk_size": 2048}
+    config = {"max_slots": 4, "max_prefill_tokens": 2048, "token_chunk_size": 2048,
+              "speculative_max_rows": args.max_rows}
     for r in range(args.rounds):
         say(f"round {r + 1} of {args.rounds}")
         for case in cases:

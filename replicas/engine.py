@@ -66,7 +66,7 @@ from .output import OutputStream
 from .prompt_scores import PromptScores
 from .sampling import InvalidRequest, Sampler, SamplingParams, TokenLogprob, upload
 from .slots import Choice, Phase, SlotChoice, SlotTable
-from .speculation import Drafter, kept
+from .speculation import Drafter, kept, next_len
 from .state_cache import PrefixStateCache, Snapshot
 from .state_files import DiskTier
 from .tokenizer import Tokenizer
@@ -101,6 +101,9 @@ class EngineConfig(BaseModel):
         0, ge=0, le=16, description="speculative decoding by prompt lookup (speculation.py): up to this many "
         "tokens a row guesses from its own earlier tokens, fed in one call and kept as far as sampling agrees "
         "with them; rows with penalties or a constraint (JSON mode, a pattern) decode plainly. 0: off")
+    speculative_max_rows: int = Field(
+        1, ge=1, description="rows draft only in steps where at most this many rows sample: a larger batch "
+        "already uses each pass over the weights, and drafts sampling throws away cost compute (docs/serving.md)")
 
     @model_validator(mode="after")
     def _a_directory_for_a_budget(self) -> EngineConfig:
@@ -297,6 +300,7 @@ class _Row:
     publish_at: set[int] = field(default_factory=set)  # prompt lengths whose states rows wait for (_leader)
     parked: tuple[RNNState, Tensor] | None = None  # a parked row's state and penalty counts (_park_for)
     drafter: Drafter | None = None  # consumed + unfed, for speculative drafts (_drafts)
+    draft_len: int = 0  # drafts it asks for next (0: speculative_tokens); speculation.next_len
     unfed: list[int] = field(default_factory=list)  # emitted tokens its state has not consumed yet (_speculate)
     arrived: float = field(default_factory=time.perf_counter)  # when it reached the engine
     last_token_at: float = 0.0  # when its last token reached the host; 0: none yet
@@ -948,14 +952,15 @@ class Engine:
     # -- speculative decoding (speculation.py) -------------------------------------------------
 
     def _drafts(self, rows: list[_Row]) -> dict[int, list[int]]:
-        """The drafts of the rows that have some this step, by uid: with speculative_tokens on,
-        rows without penalties or a constraint whose own tokens suggest what follows them (after
-        any tokens not yet fed), at most as many as max_tokens leaves room for beside the token
-        sampled anyway; none for a row with more than speculative_tokens tokens to feed (so that
-        its call stays small)."""
+        """The drafts of the rows that have some this step, by uid: with speculative_tokens on and
+        at most speculative_max_rows rows sampling, rows without penalties or a constraint whose
+        own tokens suggest what follows them (after any tokens not yet fed), at most as many as
+        max_tokens leaves room for beside the token sampled anyway (and as the row's draft_len,
+        speculation.next_len); none for a row with more than speculative_tokens tokens to feed
+        (so that its call stays small)."""
         k = self.config.speculative_tokens
         drafts = {}
-        for row in rows if k else ():
+        for row in rows if k and len(rows) <= self.config.speculative_max_rows else ():
             params = row.request.params
             if params.penalized or params.constrained or len(row.unfed) > k:
                 continue
@@ -963,7 +968,7 @@ class Engine:
                 row.drafter = Drafter()
             if not row.unfed:  # (else _speculate keeps it: consumed + unfed only grows)
                 row.drafter.sync(row.consumed)
-            if found := row.drafter.propose(min(k, params.max_tokens - row.output.count - 1)):
+            if found := row.drafter.propose(min(row.draft_len or k, params.max_tokens - row.output.count - 1)):
                 drafts[row.uid] = found
         return drafts
 
@@ -1039,6 +1044,8 @@ class Engine:
             self.stats["generated_tokens"] += len(emitted)
             self.stats["drafted_tokens"] += len(chunk)
             self.stats["accepted_drafts"] += min(len(keep) - 1, len(emitted))
+            if chunk:
+                row.draft_len = next_len(len(chunk), len(keep) - 1, self.config.speculative_tokens)
             if goes_on[: len(chunk)] == chunk:  # the call's state is after what the row consumes
                 row.consumed += fed[i]
                 row.logits = after[ends[i] - 1] if fed[i] else row.logits

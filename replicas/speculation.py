@@ -78,3 +78,11 @@ def kept(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return list(sampled[: n + 1])
+
+
+def next_len(drafted: int, accepted: int, most: int) -> int:
+    """How many drafts a row asks for next: two more after a step that kept all it drafted, one
+    fewer after one that did not (at least one, at most `most`), so that rows whose guesses
+    miss feed fewer tokens that sampling throws away (Hugging Face's assisted generation's
+    heuristic schedule)."""
+    return min(most, drafted + 2) if accepted == drafted else max(1, drafted - 1)

@@ -68,7 +68,8 @@ def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, wher
     """The engine as a replica runs it (replicas/engine_process.py), and in this process; with
     speculative decoding, whose drafts' calls (prefill_all of a few tokens) replay graphs."""
     tokenizer, expected = cpu_greedy
-    config = EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40, speculative_tokens=speculative)
+    config = EngineConfig(max_slots=4, token_chunk_size=16, max_prefill_tokens=40, speculative_tokens=speculative,
+                          speculative_max_rows=4)
     if where == "this process":
         runner, _, _ = open_model(model_dir, max_slots=4, device="cuda")
         engine = Engine(runner, tokenizer, config).start()

@@ -10,7 +10,7 @@ import torch
 
 from replicas.engine import Request
 from replicas.sampling import SamplingParams
-from replicas.speculation import Drafter, kept
+from replicas.speculation import Drafter, kept, next_len
 from tests.unit.test_engine import PROMPTS, _state_after, collect, make_engine, parts, run, settle  # noqa: F401
 
 # a prompt the demo model goes on to repeat: Python it has seen, then its start again
@@ -50,8 +50,13 @@ def test_a_row_keeps_drafts_while_sampling_agrees_and_the_token_after():
     assert kept([], [3]) == [3]
 
 
+def test_rows_ask_for_more_drafts_while_all_are_kept_and_fewer_when_not():
+    assert next_len(2, 2, 8) == 4 and next_len(7, 7, 8) == 8  # (at most speculative_tokens)
+    assert next_len(4, 1, 8) == 3 and next_len(1, 0, 8) == 1  # (at least one)
+
+
 def speculating(parts, k=4, **config):  # noqa: F811
-    return make_engine(parts, speculative_tokens=k, **config)
+    return make_engine(parts, **{"speculative_tokens": k, "speculative_max_rows": 4, **config})
 
 
 def outputs(engine, tok, prompts, params) -> list:
@@ -65,18 +70,21 @@ def test_greedy_tokens_are_the_plain_ones(parts):  # noqa: F811
     tok = parts[1]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     prompts = [*PROMPTS[:3], REPEATS]
-    plain, spec = make_engine(parts), speculating(parts)
+    plain, spec, alone = make_engine(parts), speculating(parts), speculating(parts, speculative_max_rows=1)
     try:
         want, got = outputs(plain, tok, prompts, params), outputs(spec, tok, prompts, params)
-        stats = settle(spec)["counters"]
+        fewer = outputs(alone, tok, prompts, params)  # drafting only in steps where one row samples
+        stats, alone_stats = settle(spec)["counters"], settle(alone)["counters"]
         settle(plain)
     finally:
-        plain.stop()
-        spec.stop()
+        for engine in (plain, spec, alone):
+            engine.stop()
     for w, g in zip(want, got, strict=True):
         assert g.tokens == w.tokens and g.text == w.text and g.finished.reason == w.finished.reason
         assert g.finished.usage == w.finished.usage
+    assert [f.tokens for f in fewer] == [w.tokens for w in want]
     assert stats["accepted_drafts"] > 0.3 * stats["drafted_tokens"] > 0
+    assert alone_stats.get("drafted_tokens", 0) < stats["drafted_tokens"] / 2
 
 
 def test_a_row_alone_takes_fewer_model_calls(parts):  # noqa: F811
