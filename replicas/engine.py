@@ -989,21 +989,22 @@ class Engine:
         saved = {i: self.runner.read_state(rows[i].slot) for i in called if chunks[i]}
         after, ends = None, {}
         if called:
-            slots = [rows[i].slot for i in called]
-            if saved:
-                after = self._model_call("prefill_all", [rows[i] for i in called], slots, [fed[i] for i in called])
-                ends = dict(zip(called, itertools.accumulate(len(fed[i]) for i in called), strict=True))
-            elif all(len(fed[i]) == 1 for i in called):
-                after = self._model_call("decode", [rows[i] for i in called], slots, [fed[i][0] for i in called])
-            else:
-                after = self._model_call("prefill", [rows[i] for i in called], slots, [fed[i] for i in called])
+            kind = "prefill_all" if saved else "decode" if all(len(fed[i]) == 1 for i in called) else "prefill"
+            inputs = [fed[i][0] if kind == "decode" else fed[i] for i in called]
+            after = self._model_call(kind, [rows[i] for i in called], [rows[i].slot for i in called], inputs)
             if after is None:
                 return  # (the call's rows ended; the others sample next step)
-            ends = ends or {i: j + 1 for j, i in enumerate(called)}
-        # each row's positions: the logits after its unfed tokens (its own, with none), then after each draft
-        positions = [row.logits[None] if not fed[i] else after[ends[i] - len(chunks[i]) - 1 : ends[i]] if row.unfed
-                     else torch.cat([row.logits[None], after[ends[i] - len(chunks[i]) : ends[i]]])
-                     for i, row in enumerate(rows)]
+            # where each called row's logits end among the call's (prefill_all's: a row a token)
+            sizes = [len(fed[i]) if kind == "prefill_all" else 1 for i in called]
+            ends = dict(zip(called, itertools.accumulate(sizes), strict=True))
+        positions = []  # each row's: the logits after its unfed tokens (its own, with none), then after each draft
+        for i, row in enumerate(rows):
+            if not fed[i]:
+                positions.append(row.logits[None])
+            elif row.unfed:
+                positions.append(after[ends[i] - len(chunks[i]) - 1 : ends[i]])
+            else:
+                positions.append(torch.cat([row.logits[None], after[ends[i] - len(chunks[i]) : ends[i]]]))
         counts = [len(chunk) + 1 for chunk in chunks]
 
         def each(values: list) -> list:  # a value a row, for each of its positions
