@@ -78,8 +78,8 @@ async def run_case(engine: Engine, prompts: list[list[int]], params: SamplingPar
 
 
 def call_costs(shape: str, device: str, reps: int) -> None:
-    """What a speculative step costs against a decode step, one row, on a random model of a
-    released shape (its text repeats nothing, so this times the calls alone): ms a call for
+    """What a speculative step costs against a decode step, one row, on the demo model or a random
+    model of a released shape (the calls alone, whatever the text): ms a call for
     decode, and for the drafts' call (prefill_all of n tokens, the state copied aside first),
     each replayed from its graph on a GPU. A step that keeps all n - 1 drafts of a call of n
     tokens (the token it feeds, then its drafts) emits n tokens; "× decode" is also the tokens
@@ -102,7 +102,7 @@ def call_costs(shape: str, device: str, reps: int) -> None:
         return (time.perf_counter() - start) / reps * 1e3
 
     decode = ms(lambda: runner.decode([0], [5]))
-    print(f"\nspeculative decoding's calls, {shape} (random) on {runner.device}, one row, {reps} calls each\n")
+    print(f"\nspeculative decoding's calls, {shape} on {runner.device}, one row, {reps} calls each\n")
     print("| call | ms | × decode |")
     print("|---|---:|---:|")
     print(f"| decode | {decode:.3f} | 1.00 |")
@@ -113,8 +113,8 @@ def call_costs(shape: str, device: str, reps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--costs", choices=["0.1b", "1.5b", "7.2b"],
-                        help="instead: time the calls alone on a random model of this shape (call_costs)")
+    parser.add_argument("--costs", choices=["demo", "0.1b", "1.5b", "7.2b"],
+                        help="instead: time the calls alone on the demo model or a random model of this shape")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=3)
