@@ -98,7 +98,7 @@ class EngineConfig(BaseModel):
         "tokens a second for a later first token; a budget of max_prefill_tokens waiting goes at once. 1: a call "
         "every step that has prompt tokens")
     speculative_tokens: int = Field(
-        0, ge=0, le=16, description="speculative decoding by prompt lookup (speculation.py): up to this many "
+        0, ge=0, le=8, description="speculative decoding by prompt lookup (speculation.py): up to this many "
         "tokens a row guesses from its own earlier tokens, fed in one call and kept as far as sampling agrees "
         "with them; rows with penalties or a constraint (JSON mode, a pattern) decode plainly. 0: off")
     speculative_max_rows: int = Field(
@@ -956,19 +956,21 @@ class Engine:
         at most speculative_max_rows rows sampling, rows without penalties or a constraint whose
         own tokens suggest what follows them (after any tokens not yet fed), at most as many as
         max_tokens leaves room for beside the token sampled anyway (and as the row's draft_len,
-        speculation.next_len); none for a row with more than speculative_tokens tokens to feed
-        (so that its call stays small)."""
+        speculation.next_len), and so that a row feeds at most speculative_tokens + 1 tokens a call
+        with its tokens not yet fed (on a GPU a call of up to 16 tokens takes the gemv path, fp32
+        between kernels, and replays a graph)."""
         k = self.config.speculative_tokens
         drafts = {}
         for row in rows if k and len(rows) <= self.config.speculative_max_rows else ():
             params = row.request.params
-            if params.penalized or params.constrained or len(row.unfed) > k:
+            if params.penalized or params.constrained:
                 continue
             if row.drafter is None:
                 row.drafter = Drafter()
             if not row.unfed:  # (else _speculate keeps it: consumed + unfed only grows)
                 row.drafter.sync(row.consumed)
-            if found := row.drafter.propose(min(row.draft_len or k, params.max_tokens - row.output.count - 1)):
+            n = min(row.draft_len or k, k + 1 - len(row.unfed), params.max_tokens - row.output.count - 1)
+            if found := row.drafter.propose(n):
                 drafts[row.uid] = found
         return drafts
 
