@@ -87,8 +87,7 @@ def call_costs(shape: str, device: str, reps: int) -> None:
     from scoring import open_runner  # noqa: PLC0415 (bench/scoring.py, beside this file)
 
     runner, _ = open_runner(shape, device, 2)
-    runner.warm_up(say)
-    runner.prefill([0], [list(range(1, 65))])
+    runner.prefill([0], [list(range(1, 65))])  # (each call's first sight compiles, its second captures)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
 
     def ms(fn) -> float:

@@ -24,7 +24,8 @@ SEARCH_LIMIT = 1 << 16  # tokens before the tail that are searched (the most rec
 
 
 class Drafter:
-    """The tokens a row has consumed, grown as it consumes more, and the drafts they suggest."""
+    """A row's tokens so far (its prompt and what it emitted), grown as it goes, and the drafts
+    they suggest."""
 
     def __init__(self) -> None:
         self._tokens = np.zeros(256, dtype=np.int64)
@@ -48,8 +49,8 @@ class Drafter:
         self._n = end
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens to follow the consumed ones: what followed the latest earlier occurrence
-        of their longest tail of NGRAMS found. [] when none is found."""
+        """Up to k tokens to follow the row's: what followed the latest earlier occurrence of the
+        longest of their tails of NGRAMS tokens found. [] when none is found."""
         if k <= 0:
             return []
         a = self._tokens[max(0, self._n - SEARCH_LIMIT) : self._n]
