@@ -278,7 +278,7 @@ class CudaRunner(SlotStates):
             fields, layout = self._batch_fields(*self._padded_call(*call), real=len(call[0]), every=every)
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
-        key = (tuple((len(rows), want) for rows, _, want in steps), layout,
+        key = (tuple((len(rows), want) for rows, _, want in steps), layout, every,
                self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows)
 
         def body(dev: Tensor) -> list[Tensor | None]:
