@@ -63,7 +63,7 @@ def test_greedy_text_matches_the_cpu_path_batched(model_dir, cpu_greedy):
 
 
 @pytest.mark.parametrize(("where", "speculative"), [("this process", 0), ("a process of its own", 0),
-                                                    ("this process", 4)])
+                                                    ("this process", 2)])
 def test_engine_on_the_gpu_gives_the_cpu_greedy_text(model_dir, cpu_greedy, where, speculative):
     """The engine as a replica runs it (replicas/engine_process.py), and in this process; with
     speculative decoding, whose drafts' calls (prefill_all of a few tokens) replay graphs."""

@@ -56,7 +56,7 @@ def test_rows_ask_for_more_drafts_while_all_are_kept_and_fewer_when_not():
 
 
 def speculating(parts, k=4, **config):  # noqa: F811
-    return make_engine(parts, **{"speculative_tokens": k, "speculative_max_rows": 4, **config})
+    return make_engine(parts, **{"speculative_tokens": k, "speculative_max_rows": 16 // (k + 2), **config})
 
 
 def outputs(engine, tok, prompts, params) -> list:
@@ -66,11 +66,20 @@ def outputs(engine, tok, prompts, params) -> list:
     return run(all_at_once())
 
 
+def test_settings_whose_drafting_calls_could_grow_past_16_tokens_are_refused():
+    from replicas.engine import EngineConfig
+
+    assert EngineConfig(speculative_tokens=2, speculative_max_rows=4).speculative_max_rows == 4
+    assert EngineConfig(speculative_tokens=0, speculative_max_rows=8).speculative_tokens == 0  # (off)
+    with pytest.raises(ValueError, match="speculative_max_rows × \\(speculative_tokens \\+ 2\\) must be at most 16"):
+        EngineConfig(speculative_tokens=4, speculative_max_rows=4)
+
+
 def test_greedy_tokens_are_the_plain_ones(parts):  # noqa: F811
     tok = parts[1]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     prompts = [*PROMPTS[:3], REPEATS]
-    plain, spec, alone = make_engine(parts), speculating(parts), speculating(parts, speculative_max_rows=1)
+    plain, spec, alone = make_engine(parts), speculating(parts, 2), speculating(parts, 2, speculative_max_rows=1)
     try:
         want, got = outputs(plain, tok, prompts, params), outputs(spec, tok, prompts, params)
         fewer = outputs(alone, tok, prompts, params)  # drafting only in steps where one row samples
