@@ -627,11 +627,13 @@ class Engine:
         self._admit()
         self._run_prefill(self._plan_prefill())
         rows = [r for r in self._rows.values() if r.due or (r.unfed and r.slot is not None)]
-        drafts = self._drafts(rows)
-        if drafts or any(r.unfed for r in rows):
+        drafting = bool(self.config.speculative_tokens) and len(rows) <= self.config.speculative_max_rows
+        drafts = self._drafts(rows) if drafting else {}
+        if drafting and (drafts or any(r.unfed for r in rows)):
             self._speculate(rows, drafts)
-        else:
-            self._sample(rows)
+        else:  # (rows left with tokens to feed by a speculative step go back to feeding before the host reads)
+            self._feed_unfed([r for r in rows if r.unfed])
+            self._sample([r for r in rows if r.due])
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -964,8 +966,8 @@ class Engine:
     # -- speculative decoding (speculation.py) -------------------------------------------------
 
     def _drafts(self, rows: list[_Row]) -> dict[int, list[int]]:
-        """The drafts of the rows that have some this step, by uid: with speculative_tokens on and
-        at most speculative_max_rows rows sampling, rows without penalties or a constraint whose
+        """The drafts of the rows that have some this step, by uid (a step where speculative_tokens
+        is on and at most speculative_max_rows rows sample): rows without penalties or a constraint whose
         own tokens suggest what follows them (after any tokens not yet fed), at most as many as
         max_tokens leaves room for beside the token sampled anyway (and as the row's draft_len,
         speculation.next_len), and so that a row feeds at most speculative_tokens + 1 tokens a call
@@ -973,7 +975,7 @@ class Engine:
         between kernels, and replays a graph)."""
         k = self.config.speculative_tokens
         drafts = {}
-        for row in rows if k and len(rows) <= self.config.speculative_max_rows else ():
+        for row in rows:
             params = row.request.params
             if params.penalized or params.constrained:
                 continue
@@ -985,6 +987,19 @@ class Engine:
             if found := row.drafter.propose(n):
                 drafts[row.uid] = found
         return drafts
+
+    def _feed_unfed(self, rows: list[_Row]) -> None:
+        """Rows whose tokens a speculative step left to feed, in a step that does not draft: fed in
+        one call (the decode, or a prefill), after which they are sampled as plain decoding does."""
+        if not rows:
+            return
+        if all(len(row.unfed) == 1 for row in rows):
+            logits = self._model_call("decode", rows, [row.slot for row in rows], [row.unfed[0] for row in rows])
+        else:
+            logits = self._prefill_call("prefill", [(row, row.unfed) for row in rows])
+        for row, row_logits in zip(rows, () if logits is None else logits.unbind(0), strict=False):
+            row.consumed += row.unfed
+            row.logits, row.unfed, row.fresh = row_logits, [], True
 
     def _speculate(self, rows: list[_Row], drafts: dict[int, list[int]]) -> None:
         """A step of speculative decoding, for every row that samples (step 5's alternative: feed,

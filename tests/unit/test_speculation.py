@@ -96,6 +96,40 @@ def test_greedy_tokens_are_the_plain_ones(parts):  # noqa: F811
     assert alone_stats.get("drafted_tokens", 0) < stats["drafted_tokens"] / 2
 
 
+def test_a_row_that_speculated_alone_decodes_plainly_once_another_joins(parts):  # noqa: F811
+    """With speculative_max_rows 1, a row drafts while it samples alone; once a second row
+    samples beside it, its tokens left to feed are fed and it decodes as plain decoding does
+    (feeding before the host reads), with the same tokens."""
+    tok = parts[1]
+    first, second = SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=16, temperature=0.0)
+
+    async def scenario(engine):
+        out = [[], []]
+
+        async def one(i, prompt, params, after):
+            while len(out[0]) < after:
+                await asyncio.sleep(0.001)
+            async for event in engine.generate(Request(tok.encode(prompt), params)):
+                out[i] += getattr(event, "token_ids", ())
+
+        await asyncio.gather(one(0, REPEATS, first, 0), one(1, PROMPTS[0], second, 12))
+        return out
+
+    plain, spec = make_engine(parts), speculating(parts, 4, speculative_max_rows=1)
+    fed_back = []
+    feed = spec._feed_unfed
+    spec._feed_unfed = lambda rows: (fed_back.append(len(rows)), feed(rows))
+    try:
+        want, got = run(scenario(plain)), run(scenario(spec))
+        stats = settle(spec)["counters"]
+        settle(plain)
+    finally:
+        plain.stop()
+        spec.stop()
+    assert got == want and len(got[0]) == 48
+    assert stats["accepted_drafts"] > 0 and any(fed_back)
+
+
 def test_a_row_alone_takes_fewer_model_calls(parts):  # noqa: F811
     tok = parts[1]
     params = SamplingParams(max_tokens=64, temperature=0.0)
