@@ -262,3 +262,23 @@ def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy)
     assert preempted == 2
     assert got[0] == expected[0] and got[2] == expected[2] and got[3] == expected[3]
     assert got[1] == sampled_alone
+
+
+def test_a_prompt_the_chunked_kernels_gave_nan_for_gets_the_cpus_logits(model_dir):
+    """docs/gpu.md, "12-07e": the chunked kernels gave NaN logits for this prompt of the demo model
+    (its first test prompt, what it writes after it, the prompt again: 156 tokens on that GPU's
+    greedy text). The runner runs such a call again on the recurrent kernel."""
+    cpu, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
+    prompt = tokenizer.encode(PYTHON_PROMPTS[0])
+    logits, answer = cpu.prefill([0], [prompt]), []
+    for _ in range(128):
+        answer.append(int(logits[0].argmax()))
+        logits = cpu.decode([0], [answer[-1]])
+    prompt = prompt + answer + tokenizer.encode("\n\n\n") + prompt
+    cpu.reset(0)
+    ref = cpu.prefill([0], [prompt])[0]
+    runner, _, _ = open_model(model_dir, max_slots=1, device="cuda")
+    ours = runner.prefill([0], [prompt])[0].float().cpu()
+    print(f"{len(prompt)} tokens; calls run again on the recurrent kernel: {runner.nonfinite_calls}")
+    assert torch.isfinite(ours).all()
+    assert float((ours - ref).norm() / ref.norm()) <= 1e-2
