@@ -116,7 +116,7 @@ class EngineConfig(BaseModel):
         # A drafting step's call feeds each of its rows speculative_tokens + 1 tokens at most; with
         # a padding row a row, this many is a call of 16 tokens or fewer, which a CUDA runner runs
         # on its exact path from a graph (call_shapes.EXACT_PREFILL). Larger calls took its large
-        # path, and once gave a token outside the vocabulary (docs/serving.md)
+        # path, fp16 and no graph: 0.05× plain decoding on an H100 (docs/serving.md)
         if self.speculative_tokens and self.speculative_max_rows * (self.speculative_tokens + 2) > 16:
             raise ValueError(f"speculative_max_rows × (speculative_tokens + 2) must be at most 16, not "
                              f"{self.speculative_max_rows} × {self.speculative_tokens + 2}: a drafting step's call "
