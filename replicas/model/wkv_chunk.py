@@ -15,8 +15,11 @@ A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representa
     w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
 and A_ak likewise with k. Exponents are taken from half the chunk's decay, so no factor leaves
 fp32's range (fla's fp16 operands could overflow on strong decays); these products are tf32. The
-inverse is a product of (I + L^(2^i)), exact since L is strictly lower (L⁶⁴ = 0), in fp16
-operands on heads of 64 (25% faster than tf32 there; fp16 faulted on heads of 32). It replaces
+inverse is taken in two levels: products of (I + Ld^(2^i)) within blocks of 16 tokens, then the
+blocks combined (the kernel says how), in fp16 operands on heads of 64 (25% faster than tf32
+there; fp16 faulted on heads of 32). Until 12-07e it was one product of (I + L^(2^i)) over the
+whole chunk, whose powers of L grew far past the inverse and out of fp16's range on a trained
+model's repetitive text (docs/gpu.md). It replaces
 fla's three parallel stages: 1.5B's 4,096-token prefill spent 6.0 ms in those on an H200, and
 spends 2.9 ms here (docs/gpu.md).
 
@@ -158,12 +161,12 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
 
 @triton.jit(do_not_specialize=["H"])
 def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, QG, KG, BG, W, U, GI, AQK, AQB,
-                       cu_seqlens, chunk_indices, H, C, N: tl.constexpr, BT: tl.constexpr, SQUARINGS: tl.constexpr,
-                       F16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+                       cu_seqlens, chunk_indices, H, C, N: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                       SUB_SQUARINGS: tl.constexpr, F16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
     """One (chunk, head): first the time mix's inputs from the projections, as kernels.wkv_prepare
     (log decay, k', v', a, b, the bonus; v' and the bonus are stored for the pass and the outputs,
     on the first layer v as v_first), then what the pass takes (the module's docstring).
-    SQUARINGS = log₂(BT) - 1."""
+    SUB: the inverse's blocks (BT / 4 tokens), SUB_SQUARINGS = log₂(SUB) - 1."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
     t0, n_valid, t = _chunk_tile(cu_seqlens, chunk_indices, i_c, BT)
@@ -224,15 +227,26 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     a = a.to(tl.float32) * K._exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ = (I + L)(I + L²)(I + L⁴)…(I + L^(BT/2)): L is strictly lower, so L^BT = 0. On heads of
-    # 64 from here fp16 operands, as fla's WY stage (the entries of L, A_ak, the inverse and the
-    # decayed a stay within fp16's range); on smaller heads tf32 (docs/gpu.md: fp16 faulted there)
+    # (I - L)⁻¹ in two levels (docs/gpu.md, "12-07e"): L's powers over a whole chunk can grow far
+    # past the inverse (2.4e6 at L¹⁶ where the inverse is at most 50, on the demo model) and leave
+    # fp16's range. With D = I - Ld, Ld the blocks of SUB tokens on L's diagonal, and Lo the rest:
+    #   D⁻¹ = (I + Ld)(I + Ld²)(I + Ld⁴)(I + Ld⁸)   (Ld^SUB = 0),
+    #   (I - L)⁻¹ = (I - M)⁻¹ D⁻¹ = (I + M)(I + M²) D⁻¹,   M = D⁻¹ Lo   (strictly lower by blocks: M⁴ = 0).
+    # On heads of 64 from here fp16 operands, as fla's WY stage; on smaller heads tf32 (docs/gpu.md:
+    # fp16 faulted there)
     dt = tl.float16 if F16 else tl.float32
-    inv = tl.where(row == col, 1.0, 0.0) + L
-    for _ in tl.static_range(SQUARINGS):
+    eye = tl.where(row == col, 1.0, 0.0)
+    in_block = (row // SUB) == (col // SUB)
+    Lo = tl.where(in_block, 0.0, L).to(dt)
+    L = tl.where(in_block, L, 0.0)
+    d_inv = eye + L
+    for _ in tl.static_range(SUB_SQUARINGS):
         L = tl.dot(L.to(dt), L.to(dt))
-        inv += tl.dot(inv.to(dt), L.to(dt))
-    inv = inv.to(dt)
+        d_inv += tl.dot(d_inv.to(dt), L.to(dt))
+    d_inv = d_inv.to(dt)
+    M = tl.dot(d_inv, Lo)
+    inv = tl.dot((eye + M).to(dt), (eye + tl.dot(M.to(dt), M.to(dt))).to(dt))
+    inv = tl.dot(inv.to(dt), d_inv).to(dt)
     w = tl.dot(inv, (a * up).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
@@ -281,7 +295,7 @@ def chunk_prefill(r, k, v, wl, al, vl, v_first: torch.Tensor, prm: torch.Tensor,
     A_qk, A_qb = (torch.empty(T, H, CHUNK, device=dev, dtype=kv_dtype) for _ in range(2))
     _chunk_prep_kernel[(chunk_indices.shape[0], H)](
         r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, v_, bonus, qg, kg, bg, w, u, gi, A_qk, A_qb,
-        cu_seqlens, chunk_indices, H, C, N=N, BT=CHUNK, SQUARINGS=CHUNK.bit_length() - 2,
+        cu_seqlens, chunk_indices, H, C, N=N, BT=CHUNK, SUB=CHUNK // 4, SUB_SQUARINGS=(CHUNK // 4).bit_length() - 2,
         F16=F16_INVERSE and N >= 64, FIRST=first, num_warps=PREP_WARPS, **K._pdl())
     if finish is not None:
         finish = (finish[0], bonus, prm, finish[1])
