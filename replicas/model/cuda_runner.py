@@ -209,8 +209,9 @@ class CudaRunner(SlotStates):
         """The call; one that takes the chunked kernels (more than EXACT_PREFILL tokens) and gives
         logits that are not all finite runs again from the rows' states before it, on the
         recurrent kernel. The chunked kernels gave NaN logits for a 156-token prompt of the demo
-        model (docs/gpu.md, "12-07e"; not understood). On that path each call copies its rows'
-        states first and waits for its end."""
+        model, whose prep kernel's inverse overflowed fp16 (docs/gpu.md, "12-07e": mended since,
+        and this kept as a net until that is run on a GPU). On that path each call copies its
+        rows' states first and waits for its end."""
         if self.prefill_wkv != "chunked" or sum(len(c) for c in chunks) <= EXACT_PREFILL:
             return call(rows, chunks)
         saved, fresh = [self.states.row(r) for r in rows], [r for r in rows if r in self._fresh]
