@@ -988,25 +988,30 @@ class Engine:
                 drafts[row.uid] = found
         return drafts
 
+    def _feed(self, rows: list[_Row], chunks: list[list[int]], every: bool) -> Tensor | None:
+        """One call feeding each row its chunk: prefill_all with `every` (the logits after every
+        token), else the decode where each chunk is one token, else a prefill (the logits after
+        each chunk)."""
+        kind = "prefill_all" if every else "decode" if all(len(c) == 1 for c in chunks) else "prefill"
+        inputs = [c[0] for c in chunks] if kind == "decode" else chunks
+        return self._model_call(kind, rows, [row.slot for row in rows], inputs)
+
     def _feed_unfed(self, rows: list[_Row]) -> None:
         """Rows whose tokens a speculative step left to feed, in a step that does not draft: fed in
         one call (the decode, or a prefill), after which they are sampled as plain decoding does."""
         if not rows:
             return
-        if all(len(row.unfed) == 1 for row in rows):
-            logits = self._model_call("decode", rows, [row.slot for row in rows], [row.unfed[0] for row in rows])
-        else:
-            logits = self._prefill_call("prefill", [(row, row.unfed) for row in rows])
+        logits = self._feed(rows, [row.unfed for row in rows], every=False)
         for row, row_logits in zip(rows, () if logits is None else logits.unbind(0), strict=False):
             row.consumed += row.unfed
             row.logits, row.unfed, row.fresh = row_logits, [], True
 
     def _speculate(self, rows: list[_Row], drafts: dict[int, list[int]]) -> None:
         """A step of speculative decoding, for every row that samples (step 5's alternative: feed,
-        then sample). Each row's tokens not yet fed and its drafts (if any) go in one call, from
-        states copied aside first (prefill_all where a row has drafts; else the decode, or a
-        prefill); every position of every row is sampled in one call (position i from the logits
-        after the row's drafts[:i]), and each row emits the tokens it keeps (speculation.kept), as
+        then sample). Each row's tokens not yet fed and its drafts (if any) go in one call (_feed),
+        from states copied aside first (prefill_all where a row has drafts); every position of
+        every row is sampled in one call (position i from the logits after the row's drafts[:i]),
+        and each row emits the tokens it keeps (speculation.kept), as
         plain decoding would have emitted them. A row that kept all its drafts keeps the call's
         state, and the token after them waits to be fed by the next step; another gets its
         copied state back, and every token it emitted waits. So the state and `logits` are always
@@ -1018,13 +1023,11 @@ class Engine:
         saved = {i: self.runner.read_state(rows[i].slot) for i in called if chunks[i]}
         after, ends = None, {}
         if called:
-            kind = "prefill_all" if saved else "decode" if all(len(fed[i]) == 1 for i in called) else "prefill"
-            inputs = [fed[i][0] if kind == "decode" else fed[i] for i in called]
-            after = self._model_call(kind, [rows[i] for i in called], [rows[i].slot for i in called], inputs)
+            after = self._feed([rows[i] for i in called], [fed[i] for i in called], every=bool(saved))
             if after is None:
                 return  # (the call's rows ended; the others sample next step)
             # where each called row's logits end among the call's (prefill_all's: a row a token)
-            sizes = [len(fed[i]) if kind == "prefill_all" else 1 for i in called]
+            sizes = [len(fed[i]) if saved else 1 for i in called]
             ends = dict(zip(called, itertools.accumulate(sizes), strict=True))
         positions = []  # each row's: the logits after its unfed tokens (its own, with none), then after each draft
         for i, row in enumerate(rows):

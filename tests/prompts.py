@@ -8,3 +8,16 @@ PYTHON_PROMPTS = [
     "# Copyright notice\n\"\"\"Utilities for working with temporary files.\"\"\"\n\nimport ",
     "        except KeyError:\n            raise ValueError('unknown key: %r' % (key,))\n",
 ]
+
+
+def echo_prompt(cpu_runner, tokenizer) -> list[int]:
+    """The first prompt, the 128 tokens the model writes after it (greedy, on a CPU runner's fp32
+    path) and the prompt again: on the demo model, the 156 tokens whose powers of L broke the
+    chunked prefill's inverse until 12-07e (docs/gpu.md)."""
+    prompt = tokenizer.encode(PYTHON_PROMPTS[0])
+    cpu_runner.reset(0)
+    logits, answer = cpu_runner.prefill([0], [prompt]), []
+    for _ in range(128):
+        answer.append(int(logits[0].argmax()))
+        logits = cpu_runner.decode([0], [answer[-1]])
+    return prompt + answer + tokenizer.encode("\n\n\n") + prompt

@@ -394,15 +394,10 @@ def test_the_chunked_kernels_match_the_reference_where_the_powers_of_L_grow():
     from replicas.model.checkpoint import load_model  # noqa: PLC0415
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
     from replicas.model.loader import default_model_dir, open_model  # noqa: PLC0415
-    from tests.prompts import PYTHON_PROMPTS  # noqa: PLC0415
+    from tests.prompts import echo_prompt  # noqa: PLC0415
 
     cpu, tokenizer, _ = open_model(default_model_dir(), max_slots=1, device="cpu")
-    prompt = tokenizer.encode(PYTHON_PROMPTS[0])
-    logits, answer = cpu.prefill([0], [prompt]), []
-    for _ in range(128):
-        answer.append(int(logits[0].argmax()))
-        logits = cpu.decode([0], [answer[-1]])
-    prompt = prompt + answer + tokenizer.encode("\n\n\n") + prompt
+    prompt = echo_prompt(cpu, tokenizer)
     model, _ = load_model(default_model_dir(), DEVICE, torch.float16)
     runner = CudaRunner(model, max_slots=2, prefill_wkv="chunked")
     for n in (100, len(prompt)):

@@ -15,7 +15,7 @@ from replicas.engine import Delta, Engine, EngineConfig, Request
 from replicas.engine_process import EngineProcess
 from replicas.model.loader import default_model_dir, open_model
 from replicas.sampling import SamplingParams
-from tests.prompts import PYTHON_PROMPTS
+from tests.prompts import PYTHON_PROMPTS, echo_prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -269,12 +269,7 @@ def test_a_prompt_the_chunked_kernels_gave_nan_for_gets_the_cpus_logits(model_di
     (its first test prompt, what it writes after it, the prompt again: 156 tokens on that GPU's
     greedy text). The runner runs such a call again on the recurrent kernel."""
     cpu, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
-    prompt = tokenizer.encode(PYTHON_PROMPTS[0])
-    logits, answer = cpu.prefill([0], [prompt]), []
-    for _ in range(128):
-        answer.append(int(logits[0].argmax()))
-        logits = cpu.decode([0], [answer[-1]])
-    prompt = prompt + answer + tokenizer.encode("\n\n\n") + prompt
+    prompt = echo_prompt(cpu, tokenizer)
     cpu.reset(0)
     ref = cpu.prefill([0], [prompt])[0]
     runner, _, _ = open_model(model_dir, max_slots=1, device="cuda")
