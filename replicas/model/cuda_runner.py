@@ -179,7 +179,6 @@ class CudaRunner(SlotStates):
         # [L, S + 1, ...] fp32; the scratch slot is never read by the engine
         self.states = RNNState.zeros(cfg, max_slots + 1, self.device)
         self._fresh = set(range(max_slots))  # slots at the zero state (prefill treats their first token apart)
-        self.nonfinite_calls = 0  # prefill calls run again on the recurrent kernel (_finite)
         self._tables()
         self._mm_f32, self._bmm_f32 = self._pick_f32_matmul()
         self.prefill_wkv = self._pick_prefill_wkv(prefill_wkv)
@@ -194,44 +193,6 @@ class CudaRunner(SlotStates):
 
     @torch.no_grad()
     def prefill(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
-        """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32
-        (_finite: a call on the chunked path whose logits are not all finite runs again)."""
-        return self._finite(self._prefill_once, rows, chunks)
-
-    @torch.no_grad()
-    def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
-        """As prefill, with the logits after every token: [Σ len(chunk), V] fp32, row after row
-        (_prefill_all_once)."""
-        return self._finite(self._prefill_all_once, rows, chunks)
-
-    def _finite(self, call: Callable[[Sequence[int], Sequence[Sequence[int]]], Tensor], rows: Sequence[int],
-                chunks: Sequence[Sequence[int]]) -> Tensor:
-        """The call; one that takes the chunked kernels (more than EXACT_PREFILL tokens) and gives
-        logits that are not all finite runs again from the rows' states before it, on the
-        recurrent kernel. The chunked kernels gave NaN logits for a 156-token prompt of the demo
-        model, whose prep kernel's inverse overflowed fp16 (docs/gpu.md, "12-07e": mended since,
-        and this kept as a net until that is run on a GPU). On that path each call copies its
-        rows' states first and waits for its end."""
-        if self.prefill_wkv != "chunked" or sum(len(c) for c in chunks) <= EXACT_PREFILL:
-            return call(rows, chunks)
-        saved, fresh = [self.states.row(r) for r in rows], [r for r in rows if r in self._fresh]
-        out = call(rows, chunks)
-        if bool(torch.isfinite(out).all()):
-            return out
-        self.nonfinite_calls += 1
-        if self.nonfinite_calls == 1:
-            log.warning("a prefill call's logits were not finite on the chunked kernels: it runs again on the "
-                        "recurrent kernel (and any other such call; docs/gpu.md, 12-07e)")
-        for row, state in zip(rows, saved, strict=True):
-            self.states.put_row(row, state)
-        self._fresh.update(fresh)
-        self.prefill_wkv = "recurrent"
-        try:
-            return call(rows, chunks)
-        finally:
-            self.prefill_wkv = "chunked"
-
-    def _prefill_once(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """Advances each row by its chunk (any lengths) in one batched pass; logits [R, V] fp32.
 
         A call is padded to its buckets (call_shape: rows on the scratch slot), and a call whose
@@ -266,7 +227,8 @@ class CudaRunner(SlotStates):
         order = self._to_device(torch.tensor([source[i] for i in range(len(rows))]))
         return torch.cat(parts).index_select(0, order)
 
-    def _prefill_all_once(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
+    @torch.no_grad()
+    def prefill_all(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> Tensor:
         """As prefill, with the logits after every token: [Σ len(chunk), V] fp32, row after row
         (a prompt's every token scored, or speculative decoding's drafts). All rows in one call,
         its kernels launched one by one (a call of EXACT_PREFILL tokens or fewer, padded, replays

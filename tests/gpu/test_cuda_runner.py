@@ -201,30 +201,6 @@ def test_a_small_prefill_all_replays_a_graph(pair):
     assert_states_close(runner, ref, slots)
 
 
-def test_a_chunked_call_whose_logits_are_not_finite_runs_again_on_the_recurrent_kernel(pair, monkeypatch):
-    """CudaRunner._finite (docs/gpu.md, "12-07e": the chunked kernels once gave NaN logits): here
-    the chunked kernels' output is made NaN; the call runs again from the rows' states before it
-    (a fresh row's first-token step too), on the recurrent kernel, and gives the reference's
-    logits and states."""
-    from replicas.model import wkv_chunk  # noqa: PLC0415
-
-    runner, ref = pair
-    monkeypatch.setattr(runner, "prefill_graphs", 0)
-    monkeypatch.setattr(runner, "prefill_wkv", "chunked")
-    chunk_prefill = wkv_chunk.chunk_prefill
-    monkeypatch.setattr(wkv_chunk, "chunk_prefill", lambda *a, **kw: chunk_prefill(*a, **kw) * float("nan"))
-    slots = [1, 4]
-    start_from_random_states(runner, ref, [4], seed=80)
-    runner.reset(1)
-    ref.reset(1)
-    chunks = [tokens(90, ref.vocab_size, 81), tokens(40, ref.vocab_size, 82)]
-    before = runner.nonfinite_calls
-    ours, theirs = runner.prefill(slots, chunks), ref.prefill(slots, chunks)
-    assert runner.nonfinite_calls == before + 1 and runner.prefill_wkv == "chunked"
-    assert rel_err(ours, theirs) <= TOLERANCE
-    assert_states_close(runner, ref, slots)
-
-
 @pytest.mark.parametrize("batch", [1, 2, 6, 8])
 def test_decode_steps(pair, batch):
     """batch 1 and 2: gemv on the FMA units; 6: gemv on the tensor cores; 8 with small_batch 4: cuBLAS."""
@@ -404,5 +380,4 @@ def test_the_chunked_kernels_match_the_reference_where_the_powers_of_L_grow():
         cpu.reset(0)
         runner.reset(0)
         ref = cpu.prefill([0], [prompt[:n]])
-        assert rel_err(runner._prefill_once([0], [prompt[:n]]), ref) <= TOLERANCE, n  # (the kernels, no _finite)
-        assert runner.nonfinite_calls == 0
+        assert rel_err(runner.prefill([0], [prompt[:n]]), ref) <= TOLERANCE, n
