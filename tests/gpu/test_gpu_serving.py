@@ -16,7 +16,7 @@ from replicas.engine_process import EngineProcess
 from replicas.model.call_shapes import EXACT_PREFILL
 from replicas.model.loader import default_model_dir, open_model
 from replicas.sampling import SamplingParams
-from tests.prompts import PYTHON_PROMPTS, echo_prompt
+from tests.prompts import PYTHON_PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -225,7 +225,7 @@ def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy)
     call stays within EXACT_PREFILL tokens, so both engines feed the sampled row on the exact paths:
     two rows' chunks in one call of more take the fp16 large path, whose logits differ by about
     1e-3, enough to move a sampled token by a few places in the vocabulary (docs/gpu.md,
-    "12-07f": it failed 3 times in 4 that way)."""
+    "12-07f": it failed in 4 runs of 6 that way)."""
     tokenizer, expected = cpu_greedy
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=5, presence_penalty=0.5,
@@ -268,16 +268,3 @@ def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy)
     assert got[0] == expected[0] and got[2] == expected[2] and got[3] == expected[3]
     assert got[1] == sampled_alone
 
-
-def test_a_prompt_the_chunked_kernels_gave_nan_for_gets_the_cpus_logits(model_dir):
-    """docs/gpu.md, "12-07e": the chunked kernels gave NaN logits for this prompt of the demo model
-    (its first test prompt, what it writes after it, the prompt again: 156 tokens on that GPU's
-    greedy text), before the prep kernel's inverse was taken in two levels."""
-    cpu, tokenizer, _ = open_model(model_dir, max_slots=1, device="cpu")
-    prompt = echo_prompt(cpu, tokenizer)
-    cpu.reset(0)
-    ref = cpu.prefill([0], [prompt])[0]
-    runner, _, _ = open_model(model_dir, max_slots=1, device="cuda")
-    ours = runner.prefill([0], [prompt])[0].float().cpu()
-    assert torch.isfinite(ours).all()
-    assert float((ours - ref).norm() / ref.norm()) <= 1e-2
