@@ -267,4 +267,3 @@ def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy)
     assert preempted == 2
     assert got[0] == expected[0] and got[2] == expected[2] and got[3] == expected[3]
     assert got[1] == sampled_alone
-
