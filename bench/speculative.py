@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from replicas.engine import Delta, Engine, EngineConfig, Request  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
 from replicas.sampling import SamplingParams  # noqa: E402
-from tests.prompts import PYTHON_PROMPTS  # noqa: E402
+from tests.prompts import PYTHON_PROMPTS, echoed  # noqa: E402
 
 # (speculative_tokens, speculative_max_rows); 0 is plain decoding. With 4 requests at once, max rows
 # 1 (the engine's default) drafts only in steps where one row samples, 4 in every step (with 2 tokens
@@ -61,7 +61,7 @@ def workloads(runner, tokenizer, tokens: int) -> dict[str, list[list[int]]]:
         answers = asyncio.run(run_case(engine, free, SamplingParams(max_tokens=tokens, temperature=0.0), True))
     finally:
         engine.stop()
-    echo = [p + list(a) + tokenizer.encode("\n\n\n") + p for p, a in zip(free, answers, strict=True)]
+    echo = [echoed(p, list(a), tokenizer) for p, a in zip(free, answers, strict=True)]
     return {"echo": echo, "free": free}
 
 

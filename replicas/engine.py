@@ -61,6 +61,7 @@ from torch import Tensor
 from .histograms import RequestHistograms
 from .init_states import InitState, InitStateError
 from .json_grammar import Constraint, GrammarError, JsonGrammar
+from .model.call_shapes import EXACT_PREFILL
 from .model.state import RNNState
 from .output import OutputStream
 from .prompt_scores import PromptScores
@@ -114,11 +115,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _speculative_calls_stay_small(self) -> EngineConfig:
         # A drafting step's call feeds each of its rows speculative_tokens + 1 tokens at most; with
-        # a padding row a row, this many is a call of 16 tokens or fewer, which a CUDA runner runs
-        # on its exact path from a graph (call_shapes.EXACT_PREFILL). Larger calls took its large
-        # path, fp16 and no graph: 0.05× plain decoding on an H100 (docs/serving.md)
-        if self.speculative_tokens and self.speculative_max_rows * (self.speculative_tokens + 2) > 16:
-            raise ValueError(f"speculative_max_rows × (speculative_tokens + 2) must be at most 16, not "
+        # a padding row a row, this many is a call of EXACT_PREFILL tokens or fewer, which a CUDA
+        # runner runs on its exact path from a graph. Larger calls took its large path, fp16 and
+        # no graph: 0.05× plain decoding on an H100 (docs/serving.md)
+        if self.speculative_tokens and self.speculative_max_rows * (self.speculative_tokens + 2) > EXACT_PREFILL:
+            raise ValueError(f"speculative_max_rows × (speculative_tokens + 2) must be at most {EXACT_PREFILL}, not "
                              f"{self.speculative_max_rows} × {self.speculative_tokens + 2}: a drafting step's call "
                              "stays small")
         return self

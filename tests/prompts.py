@@ -20,4 +20,10 @@ def echo_prompt(cpu_runner, tokenizer) -> list[int]:
     for _ in range(128):
         answer.append(int(logits[0].argmax()))
         logits = cpu_runner.decode([0], [answer[-1]])
+    return echoed(prompt, answer, tokenizer)
+
+
+def echoed(prompt: list[int], answer: list[int], tokenizer) -> list[int]:
+    """A prompt, what the model wrote after it, three newlines and the prompt again: a conversation
+    that asks for its last answer again (speculative decoding's "echo" workload)."""
     return prompt + answer + tokenizer.encode("\n\n\n") + prompt
