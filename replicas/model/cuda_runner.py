@@ -9,7 +9,7 @@ Decode (`decode`): one token per row, run as a CUDA graph captured per batch-siz
 pad a bucket run on the scratch slot. Per layer:
     small batches (≤ small_batch rows): 8 kernels — LayerNorm + token shift + six mixes; r, k, v
       and the four LoRA first stages (activated) as one grouped gemv; the LoRA second stages as
-      another (at one or two rows the core's, below: 7 kernels); the time-mix core (decay, kk, a,
+      another (up to four rows the core's, below: 7 kernels); the time-mix core (decay, kk, a,
       state update in place at the slots, GroupNorm, bonus, gate); output projection added into
       the fp32 residual (split-K atomics); LayerNorm + shift for the channel mix; key with relu²
       fused; value added into the residual. All products read the weights once: up to four rows
@@ -70,7 +70,9 @@ LORA_SPLIT = ((0, 1, 2), (3,))
 LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at 4,096 and 16,384)
 # Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
 # kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
-SECOND_IN_CORE_ROWS = 2
+# H100, decode in the graphs (docs/gpu-history.md, 12-07g): 2 -> 4 took 3 and 4 rows 5% faster at
+# 1.5B and 0.1B, 1% at 7.2B; 8 rows on it gained 2-5% at 1.5B and 0.1B and lost 4% at 7.2B.
+SECOND_IN_CORE_ROWS = 4
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 64  # prefill shapes (buckets) kept as CUDA graphs, least recently used dropped
 # The live-rows value product (kernels.gemv_live_rows) by default where W_v has at least this many

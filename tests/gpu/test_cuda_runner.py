@@ -201,9 +201,11 @@ def test_a_small_prefill_all_replays_a_graph(pair):
     assert_states_close(runner, ref, slots)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 6, 8])
+@pytest.mark.parametrize("batch", [1, 2, 4, 6, 8])
 def test_decode_steps(pair, batch):
-    """batch 1 and 2: gemv on the FMA units; 6: gemv on the tensor cores; 8 with small_batch 4: cuBLAS."""
+    """batch 1, 2 and 4: gemv on the FMA units, the time-mix core multiplying the LoRAs' second
+    stages (up to SECOND_IN_CORE_ROWS); 6: gemv on the tensor cores, the second stages' own gemv;
+    8 with small_batch 4: cuBLAS."""
     runner, ref = pair
     runner.small_batch = 4 if batch == 8 else 16
     slots = list(range(8))[::-1][:batch]
