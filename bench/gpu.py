@@ -278,7 +278,7 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
     for name, small, settings, decode_rows in (
             ("decode gemv (graph)", 16, {}, slots), ("decode cuBLAS (graph)", 0, {}, slots),
             ("decode gemv, eight rows (graph)", 16, {}, slots + [s + 4 for s in slots]),  # the tensor cores
-            ("decode gemv, one row (graph)", 16, {}, slots[:1]),  # (the core multiplies the LoRAs' second stages)
+            ("decode gemv, one row (graph)", 16, {}, slots[:1]),  # (the live-rows value product)
             ("(products written in fp16, for scale) decode cuBLAS", 0, fp16_out, slots)):
         worst = 0.0
         for slot in decode_rows:  # each path from the reference's states: its own error, not the prefill's
