@@ -13,7 +13,7 @@ PYTHON_PROMPTS = [
 def echo_prompt(cpu_runner, tokenizer) -> list[int]:
     """The first prompt, the 128 tokens the model writes after it (greedy, on a CPU runner's fp32
     path) and the prompt again: on the demo model, the 156 tokens whose powers of L broke the
-    chunked prefill's inverse until 12-07e (docs/gpu.md)."""
+    chunked prefill's inverse until 12-07e (docs/gpu-history.md)."""
     prompt = tokenizer.encode(PYTHON_PROMPTS[0])
     cpu_runner.reset(0)
     logits, answer = cpu_runner.prefill([0], [prompt]), []

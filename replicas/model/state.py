@@ -14,7 +14,7 @@ sequences.
 A state on the host pickles as numpy arrays. States move between processes in pickles (a replica
 and its engine's process, one replica and another through Ray), and torch's own pickling of a
 tensor writes a zip archive: 15.7-18.7 against 3.2-3.7 ms a round trip for the 1.5B model's
-12.6 MiB on an H100 machine's host (docs/gpu.md, "12-05c"). Ray carries numpy arrays out of band,
+12.6 MiB on an H100 machine's host (docs/gpu-history.md, "12-05c"). Ray carries numpy arrays out of band,
 without a copy into the pickle.
 """
 

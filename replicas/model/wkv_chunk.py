@@ -227,7 +227,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     a = a.to(tl.float32) * K._exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ in two levels (docs/gpu.md, "12-07e"): L's powers over a whole chunk can grow far
+    # (I - L)⁻¹ in two levels (docs/gpu-history.md, "12-07e"): L's powers over a whole chunk can grow far
     # past the inverse (2.4e6 at L¹⁶ where the inverse is at most 50, on the demo model) and leave
     # fp16's range. With D = I - Ld, Ld the blocks of SUB tokens on L's diagonal, and Lo the rest:
     #   D⁻¹ = (I + Ld)(I + Ld²)(I + Ld⁴)(I + Ld⁸)   (Ld^SUB = 0),

@@ -364,7 +364,7 @@ def test_prefill_tail_of_many_rows():
 
 def test_the_chunked_kernels_match_the_reference_where_the_powers_of_L_grow():
     """The demo model on its first test prompt, what it writes after it (greedy, fp32) and the prompt
-    again (156 tokens; docs/gpu.md, "12-07e"). The exact inverse of I - L is at most 50 in every
+    again (156 tokens; docs/gpu-history.md, "12-07e"). The exact inverse of I - L is at most 50 in every
     chunk and head there, but L's powers over a chunk reach 2.4e6: with the inverse one product of
     (I + L^(2^i)) the chunked kernels read 2.98e-2 from the fp32 logits at 100 tokens (the
     recurrent kernel 3.9e-4) and NaN from 118 tokens on, under Triton's interpreter and on an

@@ -224,7 +224,7 @@ def test_a_parked_row_goes_on_as_it_would_have_on_the_gpu(model_dir, cpu_greedy)
     in a fresh engine on the GPU), so its state and penalty counts came back whole. Every prefill
     call stays within EXACT_PREFILL tokens, so both engines feed the sampled row on the exact paths:
     two rows' chunks in one call of more take the fp16 large path, whose logits differ by about
-    1e-3, enough to move a sampled token by a few places in the vocabulary (docs/gpu.md,
+    1e-3, enough to move a sampled token by a few places in the vocabulary (docs/gpu-history.md,
     "12-07f": it failed in 4 runs of 6 that way)."""
     tokenizer, expected = cpu_greedy
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
