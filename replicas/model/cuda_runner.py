@@ -9,7 +9,7 @@ Decode (`decode`): one token per row, run as a CUDA graph captured per batch-siz
 pad a bucket run on the scratch slot. Per layer:
     small batches (≤ small_batch rows): 8 kernels — LayerNorm + token shift + six mixes; r, k, v
       and the four LoRA first stages (activated) as one grouped gemv; the LoRA second stages as
-      another (up to four rows the core's, below: 7 kernels); the time-mix core (decay, kk, a,
+      another (or the core's, up to second_rows: 7 kernels); the time-mix core (decay, kk, a,
       state update in place at the slots, GroupNorm, bonus, gate); output projection added into
       the fp32 residual (split-K atomics); LayerNorm + shift for the channel mix; key with relu²
       fused; value added into the residual. All products read the weights once: up to four rows
@@ -68,11 +68,14 @@ LORAS = ("v", "w", "a", "g")  # the mixed buffer's order of their inputs (column
 LORA_ONE = ((0, 1, 2, 3),)
 LORA_SPLIT = ((0, 1, 2), (3,))
 LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at 4,096 and 16,384)
-# Up to this many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
-# kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes).
-# H100, decode in the graphs (docs/gpu-history.md, 12-07g): 2 -> 4 took 3 and 4 rows 5% faster at
-# 1.5B and 0.1B, 1% at 7.2B; 8 rows on it gained 2-5% at 1.5B and 0.1B and lost 4% at 7.2B.
+# Up to how many decode rows the time-mix core multiplies the LoRAs' second stages itself (one
+# kernel fewer a layer; where every padded LoRA width is a power of 2, as in the released shapes),
+# by the bytes of a head's rows of them, which each of its programs reads once a row: (at most
+# these bytes, rows), else SECOND_IN_CORE_ROWS. H100, decode in the graphs, against 4 rows
+# (docs/gpu-history.md, 12-07g): 0.1B (40 KiB a head) +4.4% at 8 rows and +4.5% at 16; 1.5B
+# (72 KiB) +1.6% at 8, -6% at 16; 7.2B (112 KiB) -4.3% at 8. (2 -> 4 rows: +5% at 1.5B and 0.1B.)
 SECOND_IN_CORE_ROWS = 4
+SECOND_IN_CORE_MORE = ((48 << 10, 16), (96 << 10, 8))
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
 PREFILL_GRAPHS = 64  # prefill shapes (buckets) kept as CUDA graphs, least recently used dropped
 # The live-rows value product (kernels.gemv_live_rows) by default where W_v has at least this many
@@ -166,7 +169,9 @@ class CudaRunner(SlotStates):
         self.rmax = max(self.padded)
         self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
-        self.second_in_core = K.takes_second(self.padded)
+        second_bytes = self.N * sum(self.padded) * dtype.itemsize  # a head's rows of the LoRAs' second stages
+        # decode rows up to which the time-mix core multiplies those itself (0: their widths do not let it)
+        self.second_rows = _rows_in_core(second_bytes) if K.takes_second(self.padded) else 0
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
@@ -281,7 +286,7 @@ class CudaRunner(SlotStates):
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple((len(rows), want) for rows, _, want in steps), layout, every,
-               self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows)
+               self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows, self.second_rows)
 
         def body(dev: Tensor) -> list[Tensor | None]:
             views, outs = dev.split(sizes), []
@@ -432,7 +437,7 @@ class CudaRunner(SlotStates):
 
     def _decode_key(self, bucket: int, small: bool) -> tuple:
         """What a decode graph is captured for: its bucket, its path, and the settings it bakes in."""
-        return bucket, small, self.fp32_outputs_decode, self.live_rows
+        return bucket, small, self.fp32_outputs_decode, self.live_rows, self.second_rows
 
     def _small_path(self, bucket: int) -> bool:
         """gemv or cuBLAS path: by timing both graphs once (auto_path), else by small_batch."""
@@ -494,7 +499,7 @@ class CudaRunner(SlotStates):
                 proj = torch.empty(B, self.n_in, device=dev, dtype=torch.float32)
                 K.gemv(mixed, lw.w_in, proj, B, table=self.table_in, n_sm=self.n_sm)
                 rkv = tuple(proj[:, j * C:(j + 1) * C] for j in range(3))
-                if self.second_in_core and B <= SECOND_IN_CORE_ROWS:
+                if B <= self.second_rows:
                     hidden = _kernel_order([proj[:, col:col + width]
                                             for col, width in zip(self.hidden_cols, self.padded, strict=True)])
                     y = K.wkv_decode(rkv, hidden, v_first, lw.prm, st.wkv[i], idx, self.H, i == 0, torch.float32,
@@ -782,6 +787,11 @@ class CudaRunner(SlotStates):
         if choice == "auto":  # the chunked kernels run on the CPU only under Triton's interpreter, slowly
             return "chunked" if self.device.type == "cuda" else "recurrent"
         return choice
+
+
+def _rows_in_core(head_bytes: int) -> int:
+    """Up to how many decode rows the core multiplies the LoRAs' second stages (SECOND_IN_CORE_MORE)."""
+    return next((rows for limit, rows in SECOND_IN_CORE_MORE if head_bytes <= limit), SECOND_IN_CORE_ROWS)
 
 
 def _filled(items: Sequence[int], n: int, fill: int) -> list[int]:

@@ -201,12 +201,16 @@ def test_a_small_prefill_all_replays_a_graph(pair):
     assert_states_close(runner, ref, slots)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 4, 6, 8])
-def test_decode_steps(pair, batch):
+@pytest.mark.parametrize("batch, second_rows", [(1, None), (2, None), (4, None), (6, 4), (6, None), (8, None)])
+def test_decode_steps(pair, batch, second_rows, monkeypatch):
     """batch 1, 2 and 4: gemv on the FMA units, the time-mix core multiplying the LoRAs' second
-    stages (up to SECOND_IN_CORE_ROWS); 6: gemv on the tensor cores, the second stages' own gemv;
-    8 with small_batch 4: cuBLAS."""
+    stages; 6: gemv on the tensor cores, with the core taking the second stages up to 4 rows (the
+    second stages' own gemv) and up to 16 (these shapes' rule: a head's rows of them are 16 and
+    32 KiB); 8 with small_batch 4: cuBLAS."""
     runner, ref = pair
+    assert runner.second_rows == 16
+    if second_rows is not None:
+        monkeypatch.setattr(runner, "second_rows", second_rows)
     runner.small_batch = 4 if batch == 8 else 16
     slots = list(range(8))[::-1][:batch]
     start_from_random_states(runner, ref, slots, seed=30 + batch)
@@ -223,7 +227,21 @@ def test_decode_steps(pair, batch):
 def test_decode_steps_reading_every_hidden_unit(pair, batch, monkeypatch):
     """live_rows off (as models with a small W_v run): the value product on W_v through the FMA gemv."""
     monkeypatch.setattr(pair[0], "live_rows", False)
-    test_decode_steps(pair, batch)
+    test_decode_steps(pair, batch, None, monkeypatch)
+
+
+def test_the_core_takes_the_second_stages_up_to_rows_by_their_bytes():
+    """The released shapes' LoRAs (padded to 64; heads of 64; fp16): a head's rows of the second
+    stages 40 KiB at 0.1B, 72 at 1.5B, 112 at 7.2B; the rows where the core gained (12-07g)."""
+    pytest.importorskip("triton")
+    from replicas.model.cuda_runner import _rows_in_core  # noqa: PLC0415
+
+    def head_bytes(*ranks: int) -> int:
+        return 64 * sum(-(-r // 64) * 64 for r in ranks) * 2
+
+    assert head_bytes(64, 64, 32, 128) == 40 << 10 and _rows_in_core(40 << 10) == 16  # 0.1B
+    assert head_bytes(96, 96, 64, 256) == 72 << 10 and _rows_in_core(72 << 10) == 8  # 1.5B
+    assert head_bytes(128, 128, 96, 480) == 112 << 10 and _rows_in_core(112 << 10) == 4  # 7.2B
 
 
 @pytest.mark.parametrize("batch", [2, 6, 8])
