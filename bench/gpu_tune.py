@@ -5,8 +5,11 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
            (one row and eight), cold weights (copies cycled past the L2), GB/s of weight bytes
   decode   runner.decode at batch 1 to 256 and prefill (graph and no graph), with programmatic
            dependent launch on and off; a kernel profile
+  second   runner.decode at 4, 8 and 16 rows with the time-mix core taking the LoRA second stages
+           up to 4, 8 and 16 rows (runner.second_rows; its rule by their bytes is marked), two
+           rounds alternated
 
-    python bench/gpu_tune.py [--parts gemv,decode] [--models 0.1b,1.5b,7.2b] [--out DIR]
+    python bench/gpu_tune.py [--parts gemv,decode,second] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -141,6 +144,29 @@ def tune_decode(models: list[str], results: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def tune_second(models: list[str], results: dict) -> None:
+    """Decode at 4-16 rows with the core taking the LoRA second stages up to 4, 8 and 16 rows."""
+    from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
+
+    for name in models:
+        model = random_model(SHAPES[name], torch.float16)
+        runner = CudaRunner(model, max_slots=32)
+        del model
+        rule = runner.second_rows
+        for rnd in range(2):
+            for rows in (4, 8, 16):
+                runner.second_rows = rows
+                runner.drop_graphs()
+                runner.path_choice.clear()
+                rates = {batch: time_decode(runner, batch) for batch in (4, 8, 16)}
+                results["second"][f"{name}|up to {rows}|round {rnd}"] = rates
+                say(f"second stages {name} up to {rows} rows{' (the rule)' if rows == rule else ''}, round {rnd}: "
+                    + ", ".join(f"{b} rows {r:,.0f} tokens/s{'' if runner.path_choice.get(b, True) else ' (cuBLAS)'}"
+                                for b, r in rates.items()))
+        del runner
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="gemv,decode")
@@ -148,7 +174,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     models = args.models.split(",")
-    results: dict = {"gemv": {}, "decode": {}, "prefill": {}}
+    results: dict = {"gemv": {}, "decode": {}, "prefill": {}, "second": {}}
     ceil = measure_ceilings()
     results["ceilings"] = ceil
     say(f"bandwidth {ceil['bandwidth'] / 1e12:.2f} TB/s, bf16 {ceil['matmul'] / 1e12:.0f} TFLOP/s")
@@ -158,6 +184,8 @@ def main() -> None:
             tune_gemv(models, ceil["bandwidth"], results)
         if "decode" in parts:
             tune_decode(models, results)
+        if "second" in parts:
+            tune_second(models, results)
     finally:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_tune.json").write_text(json.dumps(results, indent=1, default=str))

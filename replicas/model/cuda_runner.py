@@ -74,6 +74,7 @@ LORA_SPLIT_TOKENS = 1024  # (measured: one batch faster at <= 256 tokens, two at
 # these bytes, rows), else SECOND_IN_CORE_ROWS. H100, decode in the graphs, against 4 rows
 # (docs/gpu-history.md, 12-07g): 0.1B (40 KiB a head) +4.4% at 8 rows and +4.5% at 16; 1.5B
 # (72 KiB) +1.6% at 8, -6% at 16; 7.2B (112 KiB) -4.3% at 8. (2 -> 4 rows: +5% at 1.5B and 0.1B.)
+# `python bench/gpu_tune.py --parts second` measures it again.
 SECOND_IN_CORE_ROWS = 4
 SECOND_IN_CORE_MORE = ((48 << 10, 16), (96 << 10, 8))
 PATH_MARGIN = 1.2  # the gemv decode path is kept unless it is this many times slower than cuBLAS
