@@ -15,11 +15,13 @@ A_qk = tril((r·2^gi)(k·2^-gi)ᵀ), A_qb likewise with b, and the WY representa
     w = (I - L)⁻¹ (a·2^ge),  u = (I - L)⁻¹ A_ak v,  with L = strict((a·2^ge)(b·2^-gi)ᵀ)
 and A_ak likewise with k. Exponents are taken from half the chunk's decay, so no factor leaves
 fp32's range (fla's fp16 operands could overflow on strong decays); these products are tf32. The
-inverse is taken in two levels: products of (I + Ld^(2^i)) within blocks of 16 tokens, then the
-blocks combined (the kernel says how), in fp16 operands on heads of 64 (25% faster than tf32
-there; fp16 faulted on heads of 32). Until 12-07e it was one product of (I + L^(2^i)) over the
-whole chunk, whose powers of L grew far past the inverse and out of fp16's range on a trained
-model's repetitive text (docs/gpu.md). It replaces
+inverse is taken in three levels of blocks, of 4, 16 and 64 tokens, each level from the one below
+(the kernel says how), in fp16 operands on heads of 64 (25% faster than tf32 there; fp16 faulted
+on heads of 32). Until 12-07e it was one product of (I + L^(2^i)) over the whole chunk, whose
+powers of L grew far past the inverse and out of fp16's range on a trained model's repetitive
+text; until 12-07h two levels, the first (I + Ld^(2^i)) over blocks of 16 tokens, whose powers
+still grew enough for fp16's rounding to cancel into large errors on runs of one token
+(docs/gpu.md). It replaces
 fla's three parallel stages: 1.5B's 4,096-token prefill spent 6.0 ms in those on an H200, and
 spends 2.9 ms here (docs/gpu.md).
 
@@ -159,14 +161,23 @@ def block_values(rows: int, heads: int, N: int, n_sm: int) -> int:
     return bv
 
 
+@triton.jit
+def _next_level(d_inv, lo, eye, dt: tl.constexpr):
+    """(I - L)⁻¹ in dt from d_inv = (I - Ld)⁻¹ (Ld: L's blocks on the diagonal) and lo = L - Ld, where
+    each block of the level holds four of Ld's: M = d_inv lo is strictly lower by blocks (M⁴ = 0),
+    so (I - L)⁻¹ = (I - M)⁻¹ d_inv = (I + M)(I + M²) d_inv."""
+    M = tl.dot(d_inv, lo.to(dt))
+    inv = tl.dot((eye + M).to(dt), (eye + tl.dot(M.to(dt), M.to(dt))).to(dt))
+    return tl.dot(inv.to(dt), d_inv).to(dt)
+
+
 @triton.jit(do_not_specialize=["H"])
 def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, QG, KG, BG, W, U, GI, AQK, AQB,
-                       cu_seqlens, chunk_indices, H, C, N: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                       SUB_SQUARINGS: tl.constexpr, F16: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+                       cu_seqlens, chunk_indices, H, C, N: tl.constexpr, BT: tl.constexpr, F16: tl.constexpr,
+                       FIRST: tl.constexpr, PDL: tl.constexpr):
     """One (chunk, head): first the time mix's inputs from the projections, as kernels.wkv_prepare
     (log decay, k', v', a, b, the bonus; v' and the bonus are stored for the pass and the outputs,
-    on the first layer v as v_first), then what the pass takes (the module's docstring).
-    SUB: the inverse's blocks (BT / 4 tokens), SUB_SQUARINGS = log₂(SUB) - 1."""
+    on the first layer v as v_first), then what the pass takes (the module's docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     K._after_predecessor(PDL)
     t0, n_valid, t = _chunk_tile(cu_seqlens, chunk_indices, i_c, BT)
@@ -227,26 +238,23 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     a = a.to(tl.float32) * K._exp2(ge - off[None, :])
     L = tl.where(row > col, tl.dot(a, b_t), 0.0)
     A_ak = tl.where(row > col, tl.dot(a, k_t), 0.0)
-    # (I - L)⁻¹ in two levels (docs/gpu-history.md, "12-07e"): L's powers over a whole chunk can grow far
-    # past the inverse (2.4e6 at L¹⁶ where the inverse is at most 50, on the demo model) and leave
-    # fp16's range. With D = I - Ld, Ld the blocks of SUB tokens on L's diagonal, and Lo the rest:
-    #   D⁻¹ = (I + Ld)(I + Ld²)(I + Ld⁴)(I + Ld⁸)   (Ld^SUB = 0),
-    #   (I - L)⁻¹ = (I - M)⁻¹ D⁻¹ = (I + M)(I + M²) D⁻¹,   M = D⁻¹ Lo   (strictly lower by blocks: M⁴ = 0).
-    # On heads of 64 from here fp16 operands, as fla's WY stage; on smaller heads tf32 (docs/gpu.md:
-    # fp16 faulted there)
+    # (I - L)⁻¹ in three levels of blocks, BT/16, BT/4 and BT tokens (docs/gpu-history.md, "12-07e" and
+    # "12-07h"). With L1 the blocks of BT/16 on L's diagonal (L1⁴ = 0): (I - L1)⁻¹ = (I + L1)(I + L1²);
+    # then each level from the one below (_next_level). Ten products, as the two levels before 12-07h
+    # (the first: (I + Ld)(I + Ld²)(I + Ld⁴)(I + Ld⁸) over blocks of BT/4), whose powers of Ld grew
+    # to 47 where the inverse is at most 1, so that their fp16 rounding cancelled into errors of w up
+    # to 100% on a trained model's runs of one token (a run of 130 "x": logits 2.0e-2 from fp32).
+    # On heads of 64 fp16 operands, as fla's WY stage; on smaller heads tf32 (docs/gpu.md: fp16
+    # faulted there)
     dt = tl.float16 if F16 else tl.float32
     eye = tl.where(row == col, 1.0, 0.0)
-    in_block = (row // SUB) == (col // SUB)
-    Lo = tl.where(in_block, 0.0, L).to(dt)
-    L = tl.where(in_block, L, 0.0)
-    d_inv = eye + L
-    for _ in tl.static_range(SUB_SQUARINGS):
-        L = tl.dot(L.to(dt), L.to(dt))
-        d_inv += tl.dot(d_inv.to(dt), L.to(dt))
-    d_inv = d_inv.to(dt)
-    M = tl.dot(d_inv, Lo)
-    inv = tl.dot((eye + M).to(dt), (eye + tl.dot(M.to(dt), M.to(dt))).to(dt))
-    inv = tl.dot(inv.to(dt), d_inv).to(dt)
+    in_4 = (row // (BT // 16)) == (col // (BT // 16))
+    in_16 = (row // (BT // 4)) == (col // (BT // 4))
+    L1 = tl.where(in_4, L, 0.0).to(dt)
+    d_inv = eye + L1
+    d_inv += tl.dot(d_inv.to(dt), tl.dot(L1, L1).to(dt))
+    d_inv = _next_level(d_inv.to(dt), tl.where(in_16 & ~in_4, L, 0.0), eye, dt)
+    inv = _next_level(d_inv, tl.where(in_16, 0.0, L), eye, dt)
     w = tl.dot(inv, (a * up).to(dt))
     tl.store(W + p, w.to(W.dtype.element_ty), mask=m_t)
     u = tl.dot(tl.dot(inv, A_ak.to(dt)).to(dt), v.to(dt))
@@ -295,8 +303,8 @@ def chunk_prefill(r, k, v, wl, al, vl, v_first: torch.Tensor, prm: torch.Tensor,
     A_qk, A_qb = (torch.empty(T, H, CHUNK, device=dev, dtype=kv_dtype) for _ in range(2))
     _chunk_prep_kernel[(chunk_indices.shape[0], H)](
         r, k, v, r.stride(0), wl, al, vl, wl.stride(0), v_first, prm, v_, bonus, qg, kg, bg, w, u, gi, A_qk, A_qb,
-        cu_seqlens, chunk_indices, H, C, N=N, BT=CHUNK, SUB=CHUNK // 4, SUB_SQUARINGS=(CHUNK // 4).bit_length() - 2,
-        F16=F16_INVERSE and N >= 64, FIRST=first, num_warps=PREP_WARPS, **K._pdl())
+        cu_seqlens, chunk_indices, H, C, N=N, BT=CHUNK, F16=F16_INVERSE and N >= 64, FIRST=first,
+        num_warps=PREP_WARPS, **K._pdl())
     if finish is not None:
         finish = (finish[0], bonus, prm, finish[1])
     o = state_out(*(t.view(T, H, N) for t in (qg, kg, bg, w, u, v_, gi)), A_qk, A_qb, state, slots, cu_seqlens,

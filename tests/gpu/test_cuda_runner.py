@@ -380,23 +380,33 @@ def test_prefill_tail_of_many_rows():
     assert_states_close(runner, ref, slots)
 
 
-def test_the_chunked_kernels_match_the_reference_where_the_powers_of_L_grow():
-    """The demo model on its first test prompt, what it writes after it (greedy, fp32) and the prompt
-    again (156 tokens; docs/gpu-history.md, "12-07e"). The exact inverse of I - L is at most 50 in every
-    chunk and head there, but L's powers over a chunk reach 2.4e6: with the inverse one product of
-    (I + L^(2^i)) the chunked kernels read 2.98e-2 from the fp32 logits at 100 tokens (the
-    recurrent kernel 3.9e-4) and NaN from 118 tokens on, under Triton's interpreter and on an
-    H100. The prep kernel now takes it in blocks of 16 tokens."""
+@pytest.mark.parametrize("case", ["echo", "x", "newline"])
+def test_the_chunked_kernels_match_the_reference_where_the_powers_of_L_grow(case):
+    """The demo model's repetitive text, where the powers of L within a chunk grow past the inverse
+    of I - L, so that the inverse's fp16 products cancel (docs/gpu-history.md, "12-07e", "12-07h"):
+    - echo: its first test prompt, what it writes after it (greedy, fp32) and the prompt again
+      (156 tokens). With the inverse one product of (I + L^(2^i)) over the chunk the kernels read
+      2.98e-2 from the fp32 logits at 100 tokens (the recurrent kernel 3.9e-4) and NaN from 118
+      tokens on, under Triton's interpreter and on an H100.
+    - runs of one token, 130 "x" and 520 newlines. With the inverse in two levels (that product
+      over blocks of 16 tokens, whose powers reached 47 where the inverse is at most 1) they read
+      2.0e-2 and 9.2e-3 under the interpreter (the recurrent kernel 5.4e-4 and 1.3e-3).
+    The prep kernel now takes it in three levels, of 4, 16 and 64 tokens."""
     from replicas.model.checkpoint import load_model  # noqa: PLC0415
     from replicas.model.cuda_runner import CudaRunner  # noqa: PLC0415
     from replicas.model.loader import default_model_dir, open_model  # noqa: PLC0415
     from tests.prompts import echo_prompt  # noqa: PLC0415
 
     cpu, tokenizer, _ = open_model(default_model_dir(), max_slots=1, device="cpu")
-    prompt = echo_prompt(cpu, tokenizer)
+    if case == "echo":
+        prompt = echo_prompt(cpu, tokenizer)
+        lengths = (100, len(prompt))
+    else:
+        prompt = tokenizer.encode({"x": "x", "newline": "\n"}[case])[:1] * 520
+        lengths = (130,) if case == "x" else (260, 520)
     model, _ = load_model(default_model_dir(), DEVICE, torch.float16)
     runner = CudaRunner(model, max_slots=2, prefill_wkv="chunked")
-    for n in (100, len(prompt)):
+    for n in lengths:
         cpu.reset(0)
         runner.reset(0)
         ref = cpu.prefill([0], [prompt[:n]])
