@@ -27,6 +27,10 @@ figure), for several draws of tokens, and the rms over draws.
 
     python tools/fp16_rounding.py [--model 1.5b] [--layers N] [--draws 3] [--cases gpu,gpu-ffn_k]
 
+With --demo-run TEXT:N, the demo model (models/demo, weights rounded to fp16) on one row of N
+times TEXT's first token instead (a run of one token; docs/gpu.md, "Runs of one token"), e.g.
+`--demo-run " ":260 --cases gpu@1`.
+
 The points are those of the runner with fp32 product outputs (`fp32_outputs_prefill=True`, the
 default until 12-01f). Its default now also writes r, k, v, the LoRAs' second stages and the
 residual's two updates in fp16; this tool does not round those (measured on the GPU instead: 1-2e-4
@@ -166,8 +170,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
     parser.add_argument("--draws", type=int, default=3, help="draws of the four rows' tokens")
     parser.add_argument("--cases", default="gpu," + ",".join(f"gpu-{p}" for p in POINTS))
+    parser.add_argument("--demo-run", metavar="TEXT:N", help="the demo model on N times TEXT's first token")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.demo_run:
+        demo_run(args.demo_run, cases(args.cases.split(",")))
+        return
     start = time.perf_counter()
     cfg = SHAPES[args.model]
     if args.layers:
@@ -193,6 +201,25 @@ def main() -> None:
     for name, errs in results.items():
         rms = [(sum(e[i] ** 2 for e in errs) / len(errs)) ** 0.5 for i in (0, 1)]
         print(f"| {name} | {' | '.join(f'{a:.1e} / {b:.1e}' for a, b in [*errs, rms])} |", flush=True)
+
+
+def demo_run(spec: str, todo: dict[str, Case]) -> None:
+    """The demo model on a run of one token: each case's error over every position / the last."""
+    from replicas.model.checkpoint import load_model  # noqa: PLC0415
+    from replicas.model.loader import default_model_dir  # noqa: PLC0415
+    from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    text, _, n = spec.rpartition(":")
+    if not text or not n.isdigit():
+        raise SystemExit(f"--demo-run wants TEXT:N, not {spec!r}")
+    model, _ = load_model(default_model_dir(), "cpu", torch.float16)  # (fp16 held, widened where used)
+    tokens = load_tokenizer(default_model_dir() / "tokenizer.json").encode(text)[:1] * int(n)
+    ref = prefill(model, [tokens], Case(set()))
+    print(f"| case (demo model, {n} × token {tokens[0]}): all positions / last token |")
+    print("|---|")
+    for name, case in todo.items():
+        out = prefill(model, [tokens], case)
+        print(f"| {name} | {rel_err(out, ref):.1e} / {rel_err(out[-1:], ref[-1:]):.1e} |", flush=True)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
