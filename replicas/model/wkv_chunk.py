@@ -242,8 +242,8 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     # "12-07h"). With L1 the blocks of BT/16 on L's diagonal (L1⁴ = 0): (I - L1)⁻¹ = (I + L1)(I + L1²);
     # then each level from the one below (_next_level). Ten products, as the two levels before 12-07h
     # (the first: (I + Ld)(I + Ld²)(I + Ld⁴)(I + Ld⁸) over blocks of BT/4), whose powers of Ld grew
-    # to 47 where the inverse is at most 1, so that their fp16 rounding cancelled into errors of w up
-    # to 100% on a trained model's runs of one token (a run of 130 "x": logits 2.0e-2 from fp32).
+    # to 47 where the inverse is at most 1, so that their fp16 rounding cancelled into errors of w past
+    # 100% on a trained model's runs of one token (a run of 130 "x": logits 2.0e-2 from fp32).
     # On heads of 64 fp16 operands, as fla's WY stage; on smaller heads tf32 (docs/gpu.md: fp16
     # faulted there)
     dt = tl.float16 if F16 else tl.float32
