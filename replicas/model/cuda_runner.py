@@ -170,9 +170,8 @@ class CudaRunner(SlotStates):
         self.rmax = max(self.padded)
         self.hidden_cols = tuple(3 * self.C + sum(self.padded[:g]) for g in range(4))  # in the gemv path's proj
         self.n_in = 3 * self.C + sum(self.padded)
-        second_bytes = self.N * sum(self.padded) * dtype.itemsize  # a head's rows of the LoRAs' second stages
-        # decode rows up to which the time-mix core multiplies those itself (0: their widths do not let it)
-        self.second_rows = _rows_in_core(second_bytes) if K.takes_second(self.padded) else 0
+        # decode rows up to which the time-mix core multiplies the LoRAs' second stages itself
+        self.second_rows = _rows_in_core(self.padded, self.N, dtype.itemsize)
         self.n_sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 132)
         self.pdl = K.pdl_supported(self.device) and os.environ.get("RWKV_FLEET_PDL") != "0"
@@ -790,8 +789,12 @@ class CudaRunner(SlotStates):
         return choice
 
 
-def _rows_in_core(head_bytes: int) -> int:
-    """Up to how many decode rows the core multiplies the LoRAs' second stages (SECOND_IN_CORE_MORE)."""
+def _rows_in_core(padded: Sequence[int], head_size: int, itemsize: int) -> int:
+    """Up to how many decode rows the core multiplies LoRA second stages of these padded widths
+    (SECOND_IN_CORE_MORE, by the bytes of a head's rows of them); 0 where it cannot."""
+    if not K.takes_second(padded):
+        return 0
+    head_bytes = head_size * sum(padded) * itemsize
     return next((rows for limit, rows in SECOND_IN_CORE_MORE if head_bytes <= limit), SECOND_IN_CORE_ROWS)
 
 

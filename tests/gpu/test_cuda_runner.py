@@ -231,17 +231,15 @@ def test_decode_steps_reading_every_hidden_unit(pair, batch, monkeypatch):
 
 
 def test_the_core_takes_the_second_stages_up_to_rows_by_their_bytes():
-    """The released shapes' LoRAs (padded to 64; heads of 64; fp16): a head's rows of the second
+    """The released shapes' LoRAs padded to 64 (heads of 64, fp16): a head's rows of the second
     stages 40 KiB at 0.1B, 72 at 1.5B, 112 at 7.2B; the rows where the core gained (12-07g)."""
     pytest.importorskip("triton")
     from replicas.model.cuda_runner import _rows_in_core  # noqa: PLC0415
 
-    def head_bytes(*ranks: int) -> int:
-        return 64 * sum(-(-r // 64) * 64 for r in ranks) * 2
-
-    assert head_bytes(64, 64, 32, 128) == 40 << 10 and _rows_in_core(40 << 10) == 16  # 0.1B
-    assert head_bytes(96, 96, 64, 256) == 72 << 10 and _rows_in_core(72 << 10) == 8  # 1.5B
-    assert head_bytes(128, 128, 96, 480) == 112 << 10 and _rows_in_core(112 << 10) == 4  # 7.2B
+    assert _rows_in_core((64, 64, 64, 128), 64, 2) == 16  # 0.1B (ranks 64, 64, 32, 128)
+    assert _rows_in_core((128, 128, 64, 256), 64, 2) == 8  # 1.5B (96, 96, 64, 256)
+    assert _rows_in_core((128, 128, 128, 512), 64, 2) == 4  # 7.2B (128, 128, 96, 480)
+    assert _rows_in_core((64, 64, 64, 192), 64, 2) == 0  # a width the core's tiles cannot take
 
 
 @pytest.mark.parametrize("batch", [2, 6, 8])
