@@ -8,8 +8,12 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
   second   runner.decode at 4, 8 and 16 rows with the time-mix core taking the LoRA second stages
            up to 4, 8 and 16 rows (runner.second_rows; its rule by their bytes is marked), two
            rounds alternated
+  rows     7.2B's large-path products (r,k,v; output; FFN key; FFN value) at 4,095-4,352 token
+           rows, cuBLAS next to our persistent matmul (kernels.mm_relu2), a layer's four back to
+           back under the power cap: what a new prompt's first token folded in as two more rows
+           would cost each (does a 33rd row of 128-row tiles cost a wave?)
 
-    python bench/gpu_tune.py [--parts gemv,decode,second] [--models 0.1b,1.5b,7.2b] [--out DIR]
+    python bench/gpu_tune.py [--parts gemv,decode,second,rows] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu import SHAPES, measure_ceilings, random_model, say, time_decode, time_prefill  # noqa: E402
+from gpu import SHAPES, _median_ms, measure_ceilings, random_model, say, time_decode, time_prefill  # noqa: E402
 
 from replicas.model import kernels as K  # noqa: E402
 
@@ -167,6 +171,27 @@ def tune_second(models: list[str], results: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def tune_rows(results: dict, name: str = "7.2b") -> None:
+    """ms of a layer's large-path products at token rows around a new prompt's 4,095 (4,097: its
+    first token as two more rows), cuBLAS and our matmul, each round the row counts in turn."""
+    cfg = SHAPES[name]
+    C, F = cfg.n_embd, cfg.ffn_dim
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = {"rkv": (3 * C, C), "out": (C, C), "key": (F, C), "value": (C, F)}  # (N, K)
+    ws = {p: torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5 for p, (n, k) in shapes.items()}
+    a_max = torch.randn(4352, F, device="cuda", dtype=torch.float16)
+    impls = {"cuBLAS": lambda a, w: torch.mm(a, w.t()), "ours": lambda a, w: K.mm_relu2(a, w, n_sm)}
+    for rnd in range(3):
+        for rows in (4096, 4095, 4097, 4128, 4224, 4352):
+            for impl, mm in impls.items():
+                calls = [functools.partial(mm, a_max[:rows, :k].contiguous(), ws[p]) for p, (_, k) in shapes.items()]
+                each = {p: _median_ms(fn, reps=9) for p, fn in zip(shapes, calls, strict=True)}
+                layer = _median_ms(lambda calls=calls: [fn() for fn in calls], reps=9)
+                results["rows"][f"{name}|{impl}|{rows}|round {rnd}"] = {"layer": layer, **each}
+                say(f"rows {name} {impl} {rows} round {rnd}: layer {layer:.3f} ms ("
+                    + ", ".join(f"{p} {ms:.3f}" for p, ms in each.items()) + ")")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="gemv,decode")
@@ -174,7 +199,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     models = args.models.split(",")
-    results: dict = {"gemv": {}, "decode": {}, "prefill": {}, "second": {}}
+    results: dict = {"gemv": {}, "decode": {}, "prefill": {}, "second": {}, "rows": {}}
     ceil = measure_ceilings()
     results["ceilings"] = ceil
     say(f"bandwidth {ceil['bandwidth'] / 1e12:.2f} TB/s, bf16 {ceil['matmul'] / 1e12:.0f} TFLOP/s")
@@ -186,6 +211,8 @@ def main() -> None:
             tune_decode(models, results)
         if "second" in parts:
             tune_second(models, results)
+        if "rows" in parts:
+            tune_rows(results)
     finally:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_tune.json").write_text(json.dumps(results, indent=1, default=str))

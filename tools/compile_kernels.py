@@ -9,9 +9,12 @@ Triton launch recorded instead of run; each distinct launch (kernel, argument ty
 warps, stages) is then compiled to a cubin for sm_90 with the local Triton (AST -> PTX -> ptxas),
 and the cubin's resource use is read back with Triton's bundled cuobjdump: registers per thread,
 stack frame bytes per thread (where ptxas spills registers; LOCAL, local arrays, stays 0 for
-spills), shared memory. Nothing is executed, so no result is checked: tests/gpu do that.
+spills), shared memory. A launch whose tensor-core products ptxas serializes (its advisory
+C7511: not enough registers to keep them in flight, so each waits for the one before; the chunk
+prep kernel's three-level inverse did that until 12-08, 0.5-2% of a prefill call) is a finding
+as a compile error is. Nothing is executed, so no result is checked: tests/gpu do that.
 
-    python tools/compile_kernels.py         # one line per launch; exit 1 if any fails to compile
+    python tools/compile_kernels.py         # one line per launch; exit 1 on a compile error or serialization
     python tools/compile_kernels.py --sass  # and each launch's SASS: instructions a thread, top opcodes
 
 The SASS counts are static (every loop body once), which for the loop-free chunk prep kernel is
@@ -161,9 +164,27 @@ def sass_counts(cubin: bytes) -> collections.Counter:
     return collections.Counter(m.group(1) for m in line.finditer(_cuobjdump(cubin, "-sass")))
 
 
+def serialized_products(ptx: str) -> str:
+    """ptxas's advisory where it serializes the PTX's wgmma products (compiled again for sm_90a by
+    Triton's bundled ptxas, which Triton runs without -v); empty if none, or if the tool is missing."""
+    import triton  # noqa: PLC0415
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if "wgmma.mma_async" not in ptx or not tool.exists():
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        args = [os.fspath(tool), "-arch=sm_90a", "-v", os.fspath(src), "-o", os.fspath(src.with_suffix(".cubin"))]
+        out = subprocess.run(args, capture_output=True, text=True)
+    return next((line.split("Potential Performance Loss: ", 1)[-1] for line in (out.stdout + out.stderr).splitlines()
+                 if "wgmma.mma_async instructions are serialized" in line), "")
+
+
 def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
-    """Compiles each distinct launch; returns (launch, error) for those that fail. With sass, each
-    launch's SASS instruction count and its most frequent opcodes too."""
+    """Compiles each distinct launch; returns (launch, problem) for those that fail to compile or
+    whose tensor-core products ptxas serializes. With sass, each launch's SASS instruction count
+    and its most frequent opcodes too."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
 
@@ -179,7 +200,11 @@ def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
             compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
             use = resource_use(compiled.asm["cubin"]) | {"SMEM": compiled.metadata.shared}
             spills = " SPILLS" if use.get("STACK") or use.get("LOCAL") else ""
-            print(f"ok    {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}", flush=True)
+            serial = serialized_products(compiled.asm["ptx"])
+            print(f"{'SLOW' if serial else 'ok  '}  {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}"
+                  + (f"\n      {serial}" if serial else ""), flush=True)
+            if serial:
+                failures.append((label, serial))
             if sass:
                 ops = sass_counts(compiled.asm["cubin"])
                 top = " ".join(f"{op} {n}" for op, n in ops.most_common(8))
@@ -192,7 +217,8 @@ def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
 
 def main() -> int:
     failures = compile_all(exercise_runner() + exercise_sampler(), sass="--sass" in sys.argv[1:])
-    print(f"{len(failures)} launch(es) failed to compile for sm_90" if failures else "every launch compiles for sm_90")
+    print(f"{len(failures)} launch(es) failed to compile for sm_90 or have their products serialized" if failures
+          else "every launch compiles for sm_90, none with its products serialized")
     return 1 if failures else 0
 
 

@@ -64,8 +64,8 @@ def two_levels(L: torch.Tensor) -> torch.Tensor:
 def three_levels(L: torch.Tensor) -> torch.Tensor:
     in_4, in_16 = blocks(4), blocks(16)
     L1 = f16(torch.where(in_4, L, 0.0))
-    d_inv = torch.eye(BT) + L1
-    d_inv = d_inv + f16(d_inv) @ f16(L1 @ L1)
+    L1_2 = f16(L1 @ L1)
+    d_inv = torch.eye(BT) + L1 + L1_2 + L1 @ L1_2
     d_inv = next_level(f16(d_inv), torch.where(in_16 & ~in_4, L, 0.0))
     return next_level(d_inv, torch.where(in_16, 0.0, L))
 

@@ -245,14 +245,18 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     # to 47 where the inverse is at most 1, so that their fp16 rounding cancelled into errors of w past
     # 100% on a trained model's runs of one token (a run of 130 "x": logits 2.0e-2 from fp32).
     # On heads of 64 fp16 operands, as fla's WY stage; on smaller heads tf32 (docs/gpu.md: fp16
-    # faulted there)
+    # faulted there). The first level is L1 + L1² + L1·L1² with its diagonal set to 1: as (I + L1)
+    # times (I + L1²), I added to each, ptxas found too few registers for the products' pipeline
+    # and made every product of the kernel wait for the one before (its advisory C7511;
+    # tools/compile_kernels.py reports it): against the two levels, new prompts' prefill 0.8% slower
+    # at 7.2B's 4,096 tokens, 2.0% at 1.5B's 16 x 1,024; so written, 0.3% and 0.1% (H100, 12-08)
     dt = tl.float16 if F16 else tl.float32
     eye = tl.where(row == col, 1.0, 0.0)
     in_4 = (row // (BT // 16)) == (col // (BT // 16))
     in_16 = (row // (BT // 4)) == (col // (BT // 4))
     L1 = tl.where(in_4, L, 0.0).to(dt)
-    d_inv = eye + L1
-    d_inv += tl.dot(d_inv.to(dt), tl.dot(L1, L1).to(dt))
+    L1_2 = tl.dot(L1, L1).to(dt)
+    d_inv = tl.where(row == col, 1.0, tl.dot(L1, L1_2, L1.to(tl.float32) + L1_2.to(tl.float32)))
     d_inv = _next_level(d_inv.to(dt), tl.where(in_16 & ~in_4, L, 0.0), eye, dt)
     inv = _next_level(d_inv, tl.where(in_16, 0.0, L), eye, dt)
     w = tl.dot(inv, (a * up).to(dt))
