@@ -11,7 +11,7 @@ and the cubin's resource use is read back with Triton's bundled cuobjdump: regis
 stack frame bytes per thread (where ptxas spills registers; LOCAL, local arrays, stays 0 for
 spills), shared memory. A launch whose tensor-core products ptxas serializes (its advisory
 C7511: not enough registers to keep them in flight, so each waits for the one before; the chunk
-prep kernel's three-level inverse did that until 12-08, 0.5-2% of a prefill call) is a finding
+prep kernel's three-level inverse did that in 12-07h: 0.5-2% of a prefill call) is a finding
 as a compile error is. Nothing is executed, so no result is checked: tests/gpu do that.
 
     python tools/compile_kernels.py         # one line per launch; exit 1 on a compile error or serialization

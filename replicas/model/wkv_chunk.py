@@ -249,7 +249,7 @@ def _chunk_prep_kernel(Rr, Kr, Vr, ldp, WLr, ALr, VLr, ldl, VF, prm, V, BONUS, Q
     # times (I + L1²), I added to each, ptxas found too few registers for the products' pipeline
     # and made every product of the kernel wait for the one before (its advisory C7511;
     # tools/compile_kernels.py reports it): against the two levels, new prompts' prefill 0.8% slower
-    # at 7.2B's 4,096 tokens, 2.0% at 1.5B's 16 x 1,024; so written, 0.3% and 0.1% (H100, 12-08)
+    # at 7.2B's 4,096 tokens, 2.0% at 1.5B's 16 x 1,024; so written, 0.3% and 0.1% (H100, 12-07i)
     dt = tl.float16 if F16 else tl.float32
     eye = tl.where(row == col, 1.0, 0.0)
     in_4 = (row // (BT // 16)) == (col // (BT // 16))

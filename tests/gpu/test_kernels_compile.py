@@ -3,8 +3,8 @@
 tools/compile_kernels.py runs the runner's decode and prefill paths on the CPU with the launches
 recorded, then compiles each for sm_90: Triton's type and shape errors (which the interpreter does
 not see) fail here instead of on the device, and so does a kernel whose tensor-core products
-ptxas serializes for want of registers (the chunk prep kernel's, 12-07h to 12-08). Needs Triton, which CPU-only torch does not bring, so
-it is marked `gpu` and skipped where Triton is absent.
+ptxas serializes for want of registers (the chunk prep kernel's, in 12-07h). Needs Triton, which
+CPU-only torch does not bring, so it is marked `gpu` and skipped where Triton is absent.
 """
 
 from __future__ import annotations
