@@ -152,11 +152,11 @@ def measure_ceilings(sustain_s: float = 2.0) -> dict[str, float]:
     clock from 1,980 MHz to about 1,500 within a 7.2B prefill call; docs/gpu.md)."""
     src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)  # 4 GiB
     dst = torch.empty_like(src)
-    copy = _median_ms(lambda: dst.copy_(src), reps=10)
+    copy = median_ms(lambda: dst.copy_(src), reps=10)
     src = dst = None  # (4 GiB each)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = _median_ms(lambda: torch.mm(a, b), reps=10)
+    mm = median_ms(lambda: torch.mm(a, b), reps=10)
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     w = torch.randn(16384, 4096, device="cuda", dtype=torch.float16) / 64
     calls, start = 0, time.perf_counter()
@@ -170,7 +170,7 @@ def measure_ceilings(sustain_s: float = 2.0) -> dict[str, float]:
             "matmul_sustained": sustained}
 
 
-def _median_ms(fn, reps: int, warmup: int = 3) -> float:
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu import SHAPES, _median_ms, measure_ceilings, random_model, say, time_decode, time_prefill  # noqa: E402
+from gpu import SHAPES, measure_ceilings, median_ms, random_model, say, time_decode, time_prefill  # noqa: E402
 
 from replicas.model import kernels as K  # noqa: E402
 
@@ -172,8 +172,9 @@ def tune_second(models: list[str], results: dict) -> None:
 
 
 def tune_rows(results: dict, name: str = "7.2b") -> None:
-    """ms of a layer's large-path products at token rows around a new prompt's 4,095 (4,097: its
-    first token as two more rows), cuBLAS and our matmul, each round the row counts in turn."""
+    """ms of a layer's large-path products at token rows around a new 4,096-token prompt's call
+    (its 4,095 tokens after the first, padded to 4,096; 4,097 with the first as two more rows),
+    cuBLAS and our matmul, each round the row counts in turn."""
     cfg = SHAPES[name]
     C, F = cfg.n_embd, cfg.ffn_dim
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -185,8 +186,8 @@ def tune_rows(results: dict, name: str = "7.2b") -> None:
         for rows in (4096, 4095, 4097, 4128, 4224, 4352):
             for impl, mm in impls.items():
                 calls = [functools.partial(mm, a_max[:rows, :k].contiguous(), ws[p]) for p, (_, k) in shapes.items()]
-                each = {p: _median_ms(fn, reps=9) for p, fn in zip(shapes, calls, strict=True)}
-                layer = _median_ms(lambda calls=calls: [fn() for fn in calls], reps=9)
+                each = {p: median_ms(fn, reps=9) for p, fn in zip(shapes, calls, strict=True)}
+                layer = median_ms(lambda calls=calls: [fn() for fn in calls], reps=9)
                 results["rows"][f"{name}|{impl}|{rows}|round {rnd}"] = {"layer": layer, **each}
                 say(f"rows {name} {impl} {rows} round {rnd}: layer {layer:.3f} ms ("
                     + ", ".join(f"{p} {ms:.3f}" for p, ms in each.items()) + ")")
