@@ -26,6 +26,10 @@ varies less from draw to draw than the benchmark's reading over the rows' last t
 figure), for several draws of tokens, and the rms over draws.
 
     python tools/fp16_rounding.py [--model 1.5b] [--layers N] [--draws 3] [--cases gpu,gpu-ffn_k]
+                                  [--bf16 relu2]
+
+With --bf16 P[,P...], those points round to bf16 instead (what an activation in bf16 would cost:
+12-07i tried relu²'s output, the value product's input, as a lever on the products' power).
 
 With --demo-run TEXT:N, the demo model (models/demo, weights rounded to fp16) on one row of N
 times TEXT's first token instead (a run of one token; docs/gpu.md, "Runs of one token"), e.g.
@@ -62,6 +66,9 @@ POINTS = ("mix_r", "mix_k", "mix_v", "mix_wag", "lora", "wkv_r", "wkv_kv", "wkv_
           "head")
 
 
+BF16: set[str] = set()  # points that round to bf16 rather than fp16 (--bf16)
+
+
 @dataclasses.dataclass
 class Case:
     points: set[str]  # where it rounds
@@ -77,7 +84,7 @@ def make_rounder(case: Case, rows: Rows):
     def rnd(point: str, t: torch.Tensor) -> torch.Tensor:
         if point not in case.points:
             return t
-        rounded = t.half().float()
+        rounded = t.bfloat16().float() if point in BF16 else t.half().float()
         if case.first and point in case.first_points:
             rounded[exempt] = t[exempt]
         return rounded
@@ -171,7 +178,11 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=3, help="draws of the four rows' tokens")
     parser.add_argument("--cases", default="gpu," + ",".join(f"gpu-{p}" for p in POINTS))
     parser.add_argument("--demo-run", metavar="TEXT:N", help="the demo model on N times TEXT's first token")
+    parser.add_argument("--bf16", default="", metavar="P[,P...]", help="points that round to bf16 instead")
     args = parser.parse_args()
+    BF16.update(filter(None, args.bf16.split(",")))
+    if not BF16 <= set(POINTS):
+        raise SystemExit(f"bad --bf16 {args.bf16!r}; points: {', '.join(POINTS)}")
     torch.set_grad_enabled(False)
     if args.demo_run:
         demo_run(args.demo_run, cases(args.cases.split(",")))
