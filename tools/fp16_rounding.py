@@ -66,14 +66,12 @@ POINTS = ("mix_r", "mix_k", "mix_v", "mix_wag", "lora", "wkv_r", "wkv_kv", "wkv_
           "head")
 
 
-BF16: set[str] = set()  # points that round to bf16 rather than fp16 (--bf16)
-
-
 @dataclasses.dataclass
 class Case:
     points: set[str]  # where it rounds
     first: int = 0  # ... except at each row's first `first` tokens,
     first_points: set[str] = dataclasses.field(default_factory=lambda: set(POINTS))  # at these points
+    bf16: set[str] = dataclasses.field(default_factory=set)  # points that round to bf16 instead (--bf16)
 
 
 def make_rounder(case: Case, rows: Rows):
@@ -84,7 +82,7 @@ def make_rounder(case: Case, rows: Rows):
     def rnd(point: str, t: torch.Tensor) -> torch.Tensor:
         if point not in case.points:
             return t
-        rounded = t.bfloat16().float() if point in BF16 else t.half().float()
+        rounded = t.bfloat16().float() if point in case.bf16 else t.half().float()
         if case.first and point in case.first_points:
             rounded[exempt] = t[exempt]
         return rounded
@@ -155,7 +153,7 @@ def prefill(model, chunks: list[list[int]], case: Case) -> torch.Tensor:
     return linear(rnd("head", ln(model.ln_out, x)), model.head.weight)
 
 
-def cases(names: list[str]) -> dict[str, Case]:
+def cases(names: list[str], bf16: set[str]) -> dict[str, Case]:
     """gpu | gpu-P[-P...] | only-P[-P...], each optionally @N (no rounding at each row's first N
     tokens) or @N:P[-P...] (none at those points of the first N tokens)"""
     out = {}
@@ -167,7 +165,7 @@ def cases(names: list[str]) -> dict[str, Case]:
         first_points = set(first_listed.split("-")) if first_listed else set(POINTS)
         if kind not in ("gpu", "only") or not (named | first_points) <= set(POINTS) or (kind == "only" and not named):
             raise SystemExit(f"bad case {name!r}: {cases.__doc__}; points: {', '.join(POINTS)}")
-        out[name] = Case(named if kind == "only" else set(POINTS) - named, int(first or 0), first_points)
+        out[name] = Case(named if kind == "only" else set(POINTS) - named, int(first or 0), first_points, bf16)
     return out
 
 
@@ -180,18 +178,18 @@ def main() -> None:
     parser.add_argument("--demo-run", metavar="TEXT:N", help="the demo model on N times TEXT's first token")
     parser.add_argument("--bf16", default="", metavar="P[,P...]", help="points that round to bf16 instead")
     args = parser.parse_args()
-    BF16.update(filter(None, args.bf16.split(",")))
-    if not BF16 <= set(POINTS):
+    bf16 = set(filter(None, args.bf16.split(",")))
+    if not bf16 <= set(POINTS):
         raise SystemExit(f"bad --bf16 {args.bf16!r}; points: {', '.join(POINTS)}")
     torch.set_grad_enabled(False)
     if args.demo_run:
-        demo_run(args.demo_run, cases(args.cases.split(",")))
+        demo_run(args.demo_run, cases(args.cases.split(","), bf16))
         return
     start = time.perf_counter()
     cfg = SHAPES[args.model]
     if args.layers:
         cfg = dataclasses.replace(cfg, n_layer=args.layers)
-    todo = cases(args.cases.split(","))
+    todo = cases(args.cases.split(","), bf16)
     print(f"[{time.perf_counter() - start:5.1f}s] building the random {args.model} model (fp16) on the CPU",
           file=sys.stderr, flush=True)
     model = random_model(cfg, torch.float16, device="cpu")
