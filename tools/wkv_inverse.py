@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replicas.model.checkpoint import load_model  # noqa: E402
 from replicas.model.loader import default_model_dir, open_model  # noqa: E402
 from replicas.model.rwkv7 import Rows, wkv_reference  # noqa: E402
 from replicas.model.state import RNNState  # noqa: E402
@@ -107,8 +106,8 @@ def errors(model, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     torch.set_grad_enabled(False)
-    model, _ = load_model(default_model_dir(), "cpu", torch.float32)
     cpu, tokenizer, _ = open_model(default_model_dir(), max_slots=1, device="cpu")
+    model = cpu.model  # fp32 on the CPU
     code = Path(__file__).resolve().parents[1] / "replicas" / "engine.py"
     one = {text: tokenizer.encode(text)[:1] for text in ("x", "\n", " ")}
     prompts = {
