@@ -12,8 +12,13 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
            rows, cuBLAS next to our persistent matmul (kernels.mm_relu2), a layer's four back to
            back under the power cap: what a new prompt's first token folded in as two more rows
            would cost each (does a 33rd row of 128-row tiles cost a wave?)
+  mm       our persistent matmul (kernels.mm_relu2 without relu², kernels.MmConfig) at other tiles,
+           depths, groups and without warp specialisation, against cuBLAS, on 7.2B's four
+           large-path products at 4,096 tokens; each launch 20 times back to back (under the power
+           cap), the launches in turn, three rounds: can ours reach cuBLAS's rate where it trails
+           (r,k,v, the output, the FFN value)? A launch that does not compile is skipped.
 
-    python bench/gpu_tune.py [--parts gemv,decode,second,rows] [--models 0.1b,1.5b,7.2b] [--out DIR]
+    python bench/gpu_tune.py [--parts gemv,decode,second,rows,mm] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -193,6 +198,43 @@ def tune_rows(results: dict, name: str = "7.2b") -> None:
                     + ", ".join(f"{p} {ms:.3f}" for p, ms in each.items()) + ")")
 
 
+MM_CONFIGS = [K.MM, K.MmConfig(group=4), K.MmConfig(group=16), K.MmConfig(warp_specialize=False),
+              K.MmConfig(bk=32, stages=6), K.MmConfig(256, 128), K.MmConfig(128, 128, stages=4),
+              K.MmConfig(128, 128, stages=6), K.MmConfig(128, 128, stages=5, warps=4), K.MmConfig(128, 128, 128, 3),
+              K.MmConfig(64, 256, stages=4, warps=4)]  # each within the 227 KiB of shared memory
+
+
+def tune_mm(results: dict, name: str = "7.2b") -> None:
+    """ms a product, cuBLAS and each MmConfig, at 4,096 token rows (see the module's docstring)."""
+    cfg = SHAPES[name]
+    C, F = cfg.n_embd, cfg.ffn_dim
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = {"rkv": (3 * C, C), "out": (C, C), "key": (F, C), "value": (C, F)}  # (N, K)
+    ws = {p: torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5 for p, (n, k) in shapes.items()}
+    acts = {k: torch.randn(4096, k, device="cuda", dtype=torch.float16) for k in {k for _, k in shapes.values()}}
+    impls = {"cuBLAS": lambda a, w: torch.mm(a, w.t())}
+    for c in MM_CONFIGS:
+        try:
+            y = K.mm_relu2(acts[C], ws["out"], n_sm, relu2=False, cfg=c)
+        except Exception as e:  # noqa: BLE001 (out of shared memory, registers: Triton's own errors)
+            say(f"mm {c}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        ref = torch.mm(acts[C], ws["out"].t()).float()
+        say(f"mm {c}: the output product {((y.float() - ref).norm() / ref.norm()).item():.1e} from cuBLAS's")
+        impls[str(c)] = lambda a, w, c=c: K.mm_relu2(a, w, n_sm, relu2=False, cfg=c)
+    for rnd in range(3):
+        for impl, mm in impls.items():
+            each = {}
+            for p, (n, k) in shapes.items():
+                a, w = acts[k], ws[p]
+                ms = median_ms(lambda a=a, w=w, mm=mm: [mm(a, w) for _ in range(20)], reps=3, warmup=1) / 20
+                each[p] = ms
+                results["mm"][f"{name}|{impl}|{p}|round {rnd}"] = {"ms": ms, "tflops": 2 * 4096 * n * k / ms / 1e9}
+            say(f"mm {name} round {rnd} {impl}: " + ", ".join(
+                f"{p} {ms:.3f} ms ({2 * 4096 * n * k / ms / 1e9:.0f} TFLOP/s)"
+                for (p, ms), (n, k) in zip(each.items(), shapes.values(), strict=True)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="gemv,decode")
@@ -200,7 +242,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     models = args.models.split(",")
-    results: dict = {"gemv": {}, "decode": {}, "prefill": {}, "second": {}, "rows": {}}
+    results: dict = {"gemv": {}, "decode": {}, "prefill": {}, "second": {}, "rows": {}, "mm": {}}
     ceil = measure_ceilings()
     results["ceilings"] = ceil
     say(f"bandwidth {ceil['bandwidth'] / 1e12:.2f} TB/s, bf16 {ceil['matmul'] / 1e12:.0f} TFLOP/s")
@@ -214,6 +256,8 @@ def main() -> None:
             tune_second(models, results)
         if "rows" in parts:
             tune_rows(results)
+        if "mm" in parts:
+            tune_mm(results)
     finally:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_tune.json").write_text(json.dumps(results, indent=1, default=str))

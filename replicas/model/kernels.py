@@ -690,37 +690,56 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer, cuBLAS and relu2_
-MM_TILE = (128, 256, 64)  # rows, columns, K a step
-MM_GROUP = 8  # row tiles that share their column tiles in turn (the weights' reuse in L2)
+
+
+@dataclass(frozen=True)
+class MmConfig:
+    """A launch of the persistent matmul: tiles of bm rows × bn columns, bk of K a step, `stages`
+    of them in flight, `group` row tiles sharing their column tiles in turn (the weights' reuse
+    in L2), loads and products in warps of their own (`warp_specialize`)."""
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    warps: int = 8
+    group: int = 8
+    warp_specialize: bool = True
+
+
+MM = MmConfig()  # 7.2B's key product at cuBLAS's rate on an H200 (above)
 
 
 @triton.jit
-def _mm_relu2_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
+def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, GROUP: tl.constexpr, WS: tl.constexpr, RELU2: tl.constexpr,
+               PROGRAMS: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True, warp_specialize=True):
+    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True, warp_specialize=WS):
         in_group = GROUP * n_n
         first_m = tile // in_group * GROUP
         rows = tl.minimum(n_m - first_m, GROUP)
         i_m, i_n = first_m + tile % in_group % rows, tile % in_group // rows
         acc = tl.zeros((BM, BN), tl.float32)
-        for k in tl.range(0, tl.cdiv(K, BK), num_stages=3):
+        for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
             acc = tl.dot(a_desc.load([i_m * BM, k * BK]), w_desc.load([i_n * BN, k * BK]).T, acc)
-        acc = tl.maximum(acc, 0.0)
-        y_desc.store([i_m * BM, i_n * BN], (acc * acc).to(y_desc.dtype))
+        if RELU2:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        y_desc.store([i_m * BM, i_n * BN], acc.to(y_desc.dtype))
 
 
-def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int) -> torch.Tensor:
-    """relu(a · wᵀ)² [M, N] in a's dtype, the sums in fp32: a [M, K], w [N, K], both contiguous and
-    16-bit (K a multiple of 8)."""
+def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: MmConfig = MM) -> torch.Tensor:
+    """relu(a · wᵀ)² [M, N] in a's dtype (a · wᵀ without relu2), the sums in fp32: a [M, K], w [N, K],
+    both contiguous and 16-bit (K a multiple of 8). cfg: the launch (bench/gpu_tune.py --parts mm
+    times others)."""
     (M, K), N = a.shape, w.shape[0]
-    BM, BN, BK = MM_TILE
     y = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # a program a multiprocessor whatever the call's tiles (fewer would make a variant a count)
-    _mm_relu2_kernel[(n_sm,)](
-        TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
-        TensorDescriptor.from_tensor(y, [BM, BN]), M, N, K, BM=BM, BN=BN, BK=BK, GROUP=MM_GROUP,
-        PROGRAMS=n_sm, num_warps=8)
+    _mm_kernel[(n_sm,)](
+        TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
+        TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn]), M, N, K, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+        STAGES=cfg.stages, GROUP=cfg.group, WS=cfg.warp_specialize, RELU2=relu2, PROGRAMS=n_sm,
+        num_warps=cfg.warps)
     return y
 
 

@@ -140,6 +140,17 @@ def test_mm_relu2_is_the_key_product_then_relu_squared(shape):
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
 
 
+@pytest.mark.parametrize("cfg", [K.MmConfig(256, 128, 64, 3, 8, 4), K.MmConfig(128, 128, 64, 4, 4, 16, False)])
+def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
+    """bench/gpu_tune.py --parts mm times the matmul as a plain product at other tiles and depths."""
+    M, K_, N = (4160, 768, 1088) if CUDA else (300, 64, 160)
+    torch.manual_seed(1)
+    a = torch.randn(M, K_, device=DEVICE).half()
+    w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
+    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=cfg)
+    assert close(y, reference(a, w, K.ACT_NONE), 1e-3)
+
+
 def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):
     """x + dx, h = LayerNorm, each token's predecessor h (a row's first: its slot's shift), the mixes.
     starts: (first token, slot) of each row, in order."""
