@@ -13,7 +13,7 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
            back under the power cap: what a new prompt's first token folded in as two more rows
            would cost each (does a 33rd row of 128-row tiles cost a wave?)
   mm       our persistent matmul (kernels.mm_relu2 without relu², kernels.MmConfig) at other tiles,
-           depths, groups and without warp specialisation, against cuBLAS, on 7.2B's four
+           depths and groups, against cuBLAS, on 7.2B's four
            large-path products at 4,096 tokens; each launch 20 times back to back (under the power
            cap), the launches in turn, three rounds: can ours reach cuBLAS's rate where it trails
            (r,k,v, the output, the FFN value)? A launch that does not compile is skipped.
@@ -198,7 +198,7 @@ def tune_rows(results: dict, name: str = "7.2b") -> None:
                     + ", ".join(f"{p} {ms:.3f}" for p, ms in each.items()) + ")")
 
 
-MM_CONFIGS = [K.MM, K.MmConfig(group=4), K.MmConfig(group=16), K.MmConfig(warp_specialize=False),
+MM_CONFIGS = [K.MM, K.MmConfig(group=4), K.MmConfig(group=16), K.MmConfig(group=1),
               K.MmConfig(bk=32, stages=6), K.MmConfig(256, 128), K.MmConfig(128, 128, stages=4),
               K.MmConfig(128, 128, stages=6), K.MmConfig(128, 128, stages=5, warps=4), K.MmConfig(128, 128, 128, 3),
               K.MmConfig(64, 256, stages=4, warps=4)]  # each within the 227 KiB of shared memory

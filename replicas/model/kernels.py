@@ -683,10 +683,12 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # The channel mix's key product with relu² in its epilogue, for the large path's long calls: a
-# persistent, warp-specialised Triton matmul (TMA loads, tiles of 128 x 256). On an H200 it runs
+# persistent Triton matmul (TMA loads pipelined three deep, tiles of 128 x 256). On an H200 it runs
 # 7.2B's key product (4,096 x 4,096 · 4,096 x 16,384) at cuBLAS's rate, 703-711 TFLOP/s in a burst
 # and 617-628 sustained under the 700 W limit against cuBLAS's 701 and 618 (docs/gpu-history.md,
-# 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys).
+# 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys). Its loop asked
+# for warp specialisation until 12-08; Triton 3.6 compiles the same PTX without it at 8 warps on
+# sm_90 (its Hopper pass acts at 4 warps only), so it never had any.
 # --------------------------------------------------------------------------------------------
 
 MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer, cuBLAS and relu2_
@@ -696,14 +698,13 @@ MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer,
 class MmConfig:
     """A launch of the persistent matmul: tiles of bm rows × bn columns, bk of K a step, `stages`
     of them in flight, `group` row tiles sharing their column tiles in turn (the weights' reuse
-    in L2), loads and products in warps of their own (`warp_specialize`)."""
+    in L2)."""
     bm: int = 128
     bn: int = 256
     bk: int = 64
     stages: int = 3
     warps: int = 8
     group: int = 8
-    warp_specialize: bool = True
 
 
 MM = MmConfig()  # 7.2B's key product at cuBLAS's rate on an H200 (above)
@@ -711,10 +712,9 @@ MM = MmConfig()  # 7.2B's key product at cuBLAS's rate on an H200 (above)
 
 @triton.jit
 def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, GROUP: tl.constexpr, WS: tl.constexpr, RELU2: tl.constexpr,
-               PROGRAMS: tl.constexpr):
+               STAGES: tl.constexpr, GROUP: tl.constexpr, RELU2: tl.constexpr, PROGRAMS: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True):
         in_group = GROUP * n_n
         first_m = tile // in_group * GROUP
         rows = tl.minimum(n_m - first_m, GROUP)
@@ -738,7 +738,7 @@ def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cf
     _mm_kernel[(n_sm,)](
         TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
         TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn]), M, N, K, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-        STAGES=cfg.stages, GROUP=cfg.group, WS=cfg.warp_specialize, RELU2=relu2, PROGRAMS=n_sm,
+        STAGES=cfg.stages, GROUP=cfg.group, RELU2=relu2, PROGRAMS=n_sm,
         num_warps=cfg.warps)
     return y
 
