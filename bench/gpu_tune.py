@@ -13,10 +13,10 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
            back under the power cap: what a new prompt's first token folded in as two more rows
            would cost each (does a 33rd row of 128-row tiles cost a wave?)
   mm       our persistent matmul (kernels.mm_relu2 without relu², kernels.MmConfig) at other tiles,
-           depths and groups, against cuBLAS, on 7.2B's four
-           large-path products at 4,096 tokens; each launch 20 times back to back (under the power
-           cap), the launches in turn, three rounds: can ours reach cuBLAS's rate where it trails
-           (r,k,v, the output, the FFN value)? A launch that does not compile is skipped.
+           depths and groups, against cuBLAS, on 7.2B's four large-path products at 4,096 tokens;
+           each launch 20 times back to back (under the power cap), the launches in turn, three
+           rounds: can ours reach cuBLAS's rate where it trails (r,k,v, the output, the FFN value)?
+           A launch that does not compile is skipped.
 
     python bench/gpu_tune.py [--parts gemv,decode,second,rows,mm] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
