@@ -33,7 +33,9 @@ With --bf16 P[,P...], those points round to bf16 instead (what an activation in 
 
 With --demo-run TEXT:N, the demo model (models/demo, weights rounded to fp16) on one row of N
 times TEXT's first token instead (a run of one token; docs/gpu.md, "Runs of one token"), e.g.
-`--demo-run " ":260 --cases gpu@1`.
+`--demo-run " ":260 --cases gpu@1`. It also names the head whose time-mix output enters
+GroupNorm with the least variance at the last token (the reference's), which GroupNorm scales up
+by 1/sqrt(variance + eps); --gn-eps EPS sets that eps (64e-5) in the model and the reference alike.
 
 The points are those of the runner with fp32 product outputs (`fp32_outputs_prefill=True`, the
 default until 12-01f). Its default now also writes r, k, v, the LoRAs' second stages and the
@@ -177,13 +179,14 @@ def main() -> None:
     parser.add_argument("--cases", default="gpu," + ",".join(f"gpu-{p}" for p in POINTS))
     parser.add_argument("--demo-run", metavar="TEXT:N", help="the demo model on N times TEXT's first token")
     parser.add_argument("--bf16", default="", metavar="P[,P...]", help="points that round to bf16 instead")
+    parser.add_argument("--gn-eps", type=float, help="with --demo-run: the time mix's GroupNorm eps")
     args = parser.parse_args()
     bf16 = set(filter(None, args.bf16.split(",")))
     if not bf16 <= set(POINTS):
         raise SystemExit(f"bad --bf16 {args.bf16!r}; points: {', '.join(POINTS)}")
     torch.set_grad_enabled(False)
     if args.demo_run:
-        demo_run(args.demo_run, cases(args.cases.split(","), bf16))
+        demo_run(args.demo_run, cases(args.cases.split(","), bf16), args.gn_eps)
         return
     start = time.perf_counter()
     cfg = SHAPES[args.model]
@@ -212,8 +215,9 @@ def main() -> None:
         print(f"| {name} | {' | '.join(f'{a:.1e} / {b:.1e}' for a, b in [*errs, rms])} |", flush=True)
 
 
-def demo_run(spec: str, todo: dict[str, Case]) -> None:
-    """The demo model on a run of one token: each case's error over every position / the last."""
+def demo_run(spec: str, todo: dict[str, Case], gn_eps: float | None = None) -> None:
+    """The demo model on a run of one token: each case's error over every position / the last, and
+    the head whose output enters GroupNorm with the least variance at the last token."""
     from replicas.model.checkpoint import load_model  # noqa: PLC0415
     from replicas.model.loader import default_model_dir  # noqa: PLC0415
     from replicas.tokenizer import load_tokenizer  # noqa: PLC0415
@@ -223,6 +227,16 @@ def demo_run(spec: str, todo: dict[str, Case]) -> None:
         raise SystemExit(f"--demo-run wants TEXT:N, not {spec!r}")
     model, _ = load_model(default_model_dir(), "cpu", torch.float16)  # (fp16 held, widened where used)
     tokens = load_tokenizer(default_model_dir() / "tokenizer.json").encode(text)[:1] * int(n)
+    variances = []  # (variance, layer, head) of the reference's GroupNorm inputs at the last token
+    for i, block in enumerate(model.blocks):
+        if gn_eps is not None:
+            block.att.ln_x.eps = gn_eps
+        block.att.ln_x.register_forward_pre_hook(lambda m, args, i=i: variances.extend(
+            (v, i, h) for h, v in enumerate(args[0][-1].view(m.num_groups, -1).var(-1, unbiased=False).tolist())))
+    model.forward_batch(torch.tensor([tokens]))
+    var, layer, head = min(variances)
+    print(f"least variance into GroupNorm at the last token: layer {layer}, head {head}: {var:.1e} "
+          f"(eps {model.blocks[0].att.ln_x.eps:g}; the heads' median {sorted(variances)[len(variances) // 2][0]:.1e})")
     ref = prefill(model, [tokens], Case(set()))
     print(f"| case (demo model, {n} × token {tokens[0]}): all positions / last token |")
     print("|---|")
