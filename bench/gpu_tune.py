@@ -198,7 +198,8 @@ def tune_rows(results: dict, name: str = "7.2b") -> None:
                     + ", ".join(f"{p} {ms:.3f}" for p, ms in each.items()) + ")")
 
 
-MM_CONFIGS = [K.MM, K.MmConfig(group=4), K.MmConfig(group=16), K.MmConfig(group=1),
+MM_CONFIGS = [K.MM, K.MmConfig(split_store=True), K.MmConfig(stages=4, split_store=True),
+              K.MmConfig(256, 128, stages=4, split_store=True), K.MmConfig(group=4), K.MmConfig(group=16),
               K.MmConfig(bk=32, stages=6), K.MmConfig(256, 128), K.MmConfig(128, 128, stages=4),
               K.MmConfig(128, 128, stages=6), K.MmConfig(128, 128, stages=5, warps=4), K.MmConfig(128, 128, 128, 3),
               K.MmConfig(64, 256, stages=4, warps=4)]  # each within the 227 KiB of shared memory

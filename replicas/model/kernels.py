@@ -698,13 +698,15 @@ MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer,
 class MmConfig:
     """A launch of the persistent matmul: tiles of bm rows × bn columns, bk of K a step, `stages`
     of them in flight, `group` row tiles sharing their column tiles in turn (the weights' reuse
-    in L2)."""
+    in L2); with `split_store` the tile is stored in two halves of bn/2 columns, so the store's
+    shared memory is half as large (room for a fourth stage at 128 x 256)."""
     bm: int = 128
     bn: int = 256
     bk: int = 64
     stages: int = 3
     warps: int = 8
     group: int = 8
+    split_store: bool = False
 
 
 MM = MmConfig()  # 7.2B's key product at cuBLAS's rate on an H200 (above)
@@ -712,7 +714,8 @@ MM = MmConfig()  # 7.2B's key product at cuBLAS's rate on an H200 (above)
 
 @triton.jit
 def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, GROUP: tl.constexpr, RELU2: tl.constexpr, PROGRAMS: tl.constexpr):
+               STAGES: tl.constexpr, GROUP: tl.constexpr, RELU2: tl.constexpr, SPLIT: tl.constexpr,
+               PROGRAMS: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, PROGRAMS, flatten=True):
         in_group = GROUP * n_n
@@ -725,7 +728,12 @@ def _mm_kernel(a_desc, w_desc, y_desc, M, N, K, BM: tl.constexpr, BN: tl.constex
         if RELU2:
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
-        y_desc.store([i_m * BM, i_n * BN], acc.to(y_desc.dtype))
+        if SPLIT:
+            left, right = acc.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+            y_desc.store([i_m * BM, i_n * BN], left.to(y_desc.dtype))
+            y_desc.store([i_m * BM, i_n * BN + BN // 2], right.to(y_desc.dtype))
+        else:
+            y_desc.store([i_m * BM, i_n * BN], acc.to(y_desc.dtype))
 
 
 def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: MmConfig = MM) -> torch.Tensor:
@@ -737,9 +745,9 @@ def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cf
     # a program a multiprocessor whatever the call's tiles (fewer would make a variant a count)
     _mm_kernel[(n_sm,)](
         TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
-        TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn]), M, N, K, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-        STAGES=cfg.stages, GROUP=cfg.group, RELU2=relu2, PROGRAMS=n_sm,
-        num_warps=cfg.warps)
+        TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn // (1 + cfg.split_store)]), M, N, K, BM=cfg.bm,
+        BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP=cfg.group, RELU2=relu2, SPLIT=cfg.split_store,
+        PROGRAMS=n_sm, num_warps=cfg.warps)
     return y
 
 

@@ -140,9 +140,11 @@ def test_mm_relu2_is_the_key_product_then_relu_squared(shape):
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
 
 
-@pytest.mark.parametrize("cfg", [K.MmConfig(256, 128, 64, 3, 8, 4), K.MmConfig(128, 128, 64, 4, 4, 16)])
+@pytest.mark.parametrize("cfg", [K.MmConfig(256, 128, 64, 3, 8, 4), K.MmConfig(128, 128, 64, 4, 4, 16),
+                                 K.MmConfig(stages=4, split_store=True)])
 def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
-    """bench/gpu_tune.py --parts mm times the matmul as a plain product at other tiles and depths."""
+    """bench/gpu_tune.py --parts mm times the matmul as a plain product at other tiles and depths, and
+    storing its tiles in halves."""
     M, K_, N = (4160, 768, 1088) if CUDA else (300, 64, 160)
     torch.manual_seed(1)
     a = torch.randn(M, K_, device=DEVICE).half()
