@@ -140,8 +140,7 @@ def test_mm_relu2_is_the_key_product_then_relu_squared(shape):
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
 
 
-@pytest.mark.parametrize("cfg", [K.MmConfig(256, 128, 64, 3, 8, 4), K.MmConfig(128, 128, 64, 4, 4, 16),
-                                 K.MmConfig(stages=4, split_store=True)])
+@pytest.mark.parametrize("cfg", [(256, 128, 64, 3, 8, 4), (128, 128, 64, 4, 4, 16), (128, 256, 64, 4, 8, 8, True)])
 def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     """bench/gpu_tune.py --parts mm times the matmul as a plain product at other tiles and depths, and
     storing its tiles in halves."""
@@ -149,7 +148,7 @@ def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     torch.manual_seed(1)
     a = torch.randn(M, K_, device=DEVICE).half()
     w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
-    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=cfg)
+    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=K.MmConfig(*cfg))
     assert close(y, reference(a, w, K.ACT_NONE), 1e-3)
 
 
