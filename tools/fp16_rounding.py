@@ -49,6 +49,7 @@ layers fit in 24 GB (about 30 s a prefill on two cores).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import time
@@ -227,13 +228,14 @@ def demo_run(spec: str, todo: dict[str, Case], gn_eps: float | None = None) -> N
         raise SystemExit(f"--demo-run wants TEXT:N, not {spec!r}")
     model, _ = load_model(default_model_dir(), "cpu", torch.float16)  # (fp16 held, widened where used)
     tokens = load_tokenizer(default_model_dir() / "tokenizer.json").encode(text)[:1] * int(n)
-    variances = []  # (variance, layer, head) of the reference's GroupNorm inputs at the last token
-    for i, block in enumerate(model.blocks):
-        if gn_eps is not None:
-            block.att.ln_x.eps = gn_eps
+    for block in model.blocks:
+        block.att.ln_x.eps = gn_eps if gn_eps is not None else block.att.ln_x.eps
+    variances = []  # (variance, layer, head) of the GroupNorm inputs at the last token, fp32 math
+    wide = copy.deepcopy(model).float()  # the same fp16 weights, widened: the reference's numbers
+    for i, block in enumerate(wide.blocks):
         block.att.ln_x.register_forward_pre_hook(lambda m, args, i=i: variances.extend(
             (v, i, h) for h, v in enumerate(args[0][-1].view(m.num_groups, -1).var(-1, unbiased=False).tolist())))
-    model.forward_batch(torch.tensor([tokens]))
+    wide.forward_batch(torch.tensor([tokens]))
     var, layer, head = min(variances)
     print(f"least variance into GroupNorm at the last token: layer {layer}, head {head}: {var:.1e} "
           f"(eps {model.blocks[0].att.ln_x.eps:g}; the heads' median {sorted(variances)[len(variances) // 2][0]:.1e})")
