@@ -686,9 +686,9 @@ def relu2_(x: torch.Tensor) -> torch.Tensor:
 # persistent Triton matmul (TMA loads pipelined three deep, tiles of 128 x 256). On an H200 it runs
 # 7.2B's key product (4,096 x 4,096 · 4,096 x 16,384) at cuBLAS's rate, 703-711 TFLOP/s in a burst
 # and 617-628 sustained under the 700 W limit against cuBLAS's 701 and 618 (docs/gpu-history.md,
-# 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys). Its loop asked
-# for warp specialisation until 12-08; Triton 3.6 compiles the same PTX without it at 8 warps on
-# sm_90 (its Hopper pass acts at 4 warps only), so it never had any.
+# 12-03b), and leaves out relu²'s own pass (a read and a write of the [T, F] keys). It is not
+# warp-specialised: at 8 warps on sm_90 Triton 3.6 compiles `warp_specialize=True` to the same PTX
+# as without (its Hopper pass acts at 4 warps only), so the loop does not ask (until 12-08 it did).
 # --------------------------------------------------------------------------------------------
 
 MM_RELU2_ROWS = 1024  # calls of at least this many tokens take mm_relu2; fewer, cuBLAS and relu2_
