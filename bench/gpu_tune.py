@@ -176,16 +176,22 @@ def tune_second(models: list[str], results: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def large_path_products(name: str) -> tuple[dict[str, tuple[int, int]], dict[str, torch.Tensor]]:
+    """The model's four large-path products of a layer, (N, K) by name, and random fp16 weights
+    [N, K] for each."""
+    C, F = SHAPES[name].n_embd, SHAPES[name].ffn_dim
+    shapes = {"rkv": (3 * C, C), "out": (C, C), "key": (F, C), "value": (C, F)}
+    ws = {p: torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5 for p, (n, k) in shapes.items()}
+    return shapes, ws
+
+
 def tune_rows(results: dict, name: str = "7.2b") -> None:
     """ms of a layer's large-path products at token rows around a new 4,096-token prompt's call
     (its 4,095 tokens after the first, padded to 4,096; 4,097 with the first as two more rows),
     cuBLAS and our matmul, each round the row counts in turn."""
-    cfg = SHAPES[name]
-    C, F = cfg.n_embd, cfg.ffn_dim
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = {"rkv": (3 * C, C), "out": (C, C), "key": (F, C), "value": (C, F)}  # (N, K)
-    ws = {p: torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5 for p, (n, k) in shapes.items()}
-    a_max = torch.randn(4352, F, device="cuda", dtype=torch.float16)
+    shapes, ws = large_path_products(name)
+    a_max = torch.randn(4352, SHAPES[name].ffn_dim, device="cuda", dtype=torch.float16)
     impls = {"cuBLAS": lambda a, w: torch.mm(a, w.t()), "ours": lambda a, w: K.mm_relu2(a, w, n_sm)}
     for rnd in range(3):
         for rows in (4096, 4095, 4097, 4128, 4224, 4352):
@@ -207,20 +213,18 @@ MM_CONFIGS = [K.MM, K.MmConfig(split_store=True), K.MmConfig(stages=4, split_sto
 
 def tune_mm(results: dict, name: str = "7.2b") -> None:
     """ms a product, cuBLAS and each MmConfig, at 4,096 token rows (see the module's docstring)."""
-    cfg = SHAPES[name]
-    C, F = cfg.n_embd, cfg.ffn_dim
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = {"rkv": (3 * C, C), "out": (C, C), "key": (F, C), "value": (C, F)}  # (N, K)
-    ws = {p: torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5 for p, (n, k) in shapes.items()}
+    shapes, ws = large_path_products(name)
     acts = {k: torch.randn(4096, k, device="cuda", dtype=torch.float16) for k in {k for _, k in shapes.values()}}
     impls = {"cuBLAS": lambda a, w: torch.mm(a, w.t())}
+    a_out = acts[shapes["out"][1]]
+    ref = torch.mm(a_out, ws["out"].t()).float()  # each launch checked on the output product first
     for c in MM_CONFIGS:
         try:
-            y = K.mm_relu2(acts[C], ws["out"], n_sm, relu2=False, cfg=c)
+            y = K.mm_relu2(a_out, ws["out"], n_sm, relu2=False, cfg=c)
         except Exception as e:  # noqa: BLE001 (out of shared memory, registers: Triton's own errors)
             say(f"mm {c}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             continue
-        ref = torch.mm(acts[C], ws["out"].t()).float()
         say(f"mm {c}: the output product {((y.float() - ref).norm() / ref.norm()).item():.1e} from cuBLAS's")
         impls[str(c)] = lambda a, w, c=c: K.mm_relu2(a, w, n_sm, relu2=False, cfg=c)
     for rnd in range(3):
@@ -229,11 +233,10 @@ def tune_mm(results: dict, name: str = "7.2b") -> None:
             for p, (n, k) in shapes.items():
                 a, w = acts[k], ws[p]
                 ms = median_ms(lambda a=a, w=w, mm=mm: [mm(a, w) for _ in range(20)], reps=3, warmup=1) / 20
-                each[p] = ms
-                results["mm"][f"{name}|{impl}|{p}|round {rnd}"] = {"ms": ms, "tflops": 2 * 4096 * n * k / ms / 1e9}
-            say(f"mm {name} round {rnd} {impl}: " + ", ".join(
-                f"{p} {ms:.3f} ms ({2 * 4096 * n * k / ms / 1e9:.0f} TFLOP/s)"
-                for (p, ms), (n, k) in zip(each.items(), shapes.values(), strict=True)))
+                each[p] = results["mm"][f"{name}|{impl}|{p}|round {rnd}"] = {
+                    "ms": ms, "tflops": 2 * 4096 * n * k / ms / 1e9}
+            say(f"mm {name} round {rnd} {impl}: "
+                + ", ".join(f"{p} {r['ms']:.3f} ms ({r['tflops']:.0f} TFLOP/s)" for p, r in each.items()))
 
 
 def main() -> None:

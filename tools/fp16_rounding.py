@@ -49,7 +49,6 @@ layers fit in 24 GB (about 30 s a prefill on two cores).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import sys
 import time
@@ -97,8 +96,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.float())
 
 
-def time_mix(att, x, shift, v_first, rows: Rows, rnd):
-    """rwkv7.TimeMix.forward from a zero state, rounded where the runner rounds."""
+def time_mix(att, x, shift, v_first, rows: Rows, rnd, gn_inputs: list | None = None):
+    """rwkv7.TimeMix.forward from a zero state, rounded where the runner rounds; with gn_inputs, the
+    last token's GroupNorm input per head [H, N] is appended to it."""
     T, C = x.shape
     H, N = att.n_head, att.head_size
     p = {n: getattr(att, n).float() for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k",
@@ -129,12 +129,14 @@ def time_mix(att, x, shift, v_first, rows: Rows, rnd):
         ("wkv_r", r), ("wkv_kv", k), ("wkv_kv", v), ("wkv_ab", -kk), ("wkv_ab", kk * a)))
     state = torch.zeros(rows.count, H, N, N)
     y, _ = wkv_reference(state, rq, w_log.view(T, H, N), kq, vq, aq, bq, rows)
+    if gn_inputs is not None:
+        gn_inputs.append(y[-1])
     y = F.group_norm(y.reshape(T, C), H, att.ln_x.weight.float(), att.ln_x.bias.float(), eps=att.ln_x.eps)
     y = y + ((r * k * p["r_k"].view(H, N)).sum(-1, keepdim=True) * v).view(T, C)
     return linear(rnd("y", y * g), att.output.weight), v_first
 
 
-def prefill(model, chunks: list[list[int]], case: Case) -> torch.Tensor:
+def prefill(model, chunks: list[list[int]], case: Case, gn_inputs: list | None = None) -> torch.Tensor:
     """Logits at every position of the rows, from zero states."""
     rows = Rows([len(c) for c in chunks])
     rnd = make_rounder(case, rows)
@@ -147,7 +149,7 @@ def prefill(model, chunks: list[list[int]], case: Case) -> torch.Tensor:
     x = ln(model.blocks[0].ln0, model.emb.weight[torch.tensor(sum(chunks, []))].float())
     v_first = None
     for block in model.blocks:
-        dx, v_first = time_mix(block.att, ln(block.ln1, x), zero, v_first, rows, rnd)
+        dx, v_first = time_mix(block.att, ln(block.ln1, x), zero, v_first, rows, rnd, gn_inputs)
         x = x + dx
         h = ln(block.ln2, x)
         kin = rnd("mix2", h + (token_shift(h, zero, rows) - h) * block.ffn.x_k.float())
@@ -228,18 +230,16 @@ def demo_run(spec: str, todo: dict[str, Case], gn_eps: float | None = None) -> N
         raise SystemExit(f"--demo-run wants TEXT:N, not {spec!r}")
     model, _ = load_model(default_model_dir(), "cpu", torch.float16)  # (fp16 held, widened where used)
     tokens = load_tokenizer(default_model_dir() / "tokenizer.json").encode(text)[:1] * int(n)
-    for block in model.blocks:
-        block.att.ln_x.eps = gn_eps if gn_eps is not None else block.att.ln_x.eps
-    variances = []  # (variance, layer, head) of the GroupNorm inputs at the last token, fp32 math
-    wide = copy.deepcopy(model).float()  # the same fp16 weights, widened: the reference's numbers
-    for i, block in enumerate(wide.blocks):
-        block.att.ln_x.register_forward_pre_hook(lambda m, args, i=i: variances.extend(
-            (v, i, h) for h, v in enumerate(args[0][-1].view(m.num_groups, -1).var(-1, unbiased=False).tolist())))
-    wide.forward_batch(torch.tensor([tokens]))
-    var, layer, head = min(variances)
+    if gn_eps is not None:
+        for block in model.blocks:
+            block.att.ln_x.eps = gn_eps
+    gn_inputs = []  # the reference's, a layer each
+    ref = prefill(model, [tokens], Case(set()), gn_inputs)
+    variances = sorted((v, i, h) for i, y in enumerate(gn_inputs)
+                       for h, v in enumerate(y.var(-1, unbiased=False).tolist()))
+    var, layer, head = variances[0]
     print(f"least variance into GroupNorm at the last token: layer {layer}, head {head}: {var:.1e} "
-          f"(eps {model.blocks[0].att.ln_x.eps:g}; the heads' median {sorted(variances)[len(variances) // 2][0]:.1e})")
-    ref = prefill(model, [tokens], Case(set()))
+          f"(eps {model.blocks[0].att.ln_x.eps:g}; the heads' median {variances[len(variances) // 2][0]:.1e})")
     print(f"| case (demo model, {n} × token {tokens[0]}): all positions / last token |")
     print("|---|")
     for name, case in todo.items():

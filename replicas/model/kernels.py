@@ -745,7 +745,7 @@ def mm_relu2(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cf
     # a program a multiprocessor whatever the call's tiles (fewer would make a variant a count)
     _mm_kernel[(n_sm,)](
         TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk]), TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
-        TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn // (1 + cfg.split_store)]), M, N, K, BM=cfg.bm,
+        TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn // 2 if cfg.split_store else cfg.bn]), M, N, K, BM=cfg.bm,
         BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP=cfg.group, RELU2=relu2, SPLIT=cfg.split_store,
         PROGRAMS=n_sm, num_warps=cfg.warps)
     return y

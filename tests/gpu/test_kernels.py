@@ -140,7 +140,8 @@ def test_mm_relu2_is_the_key_product_then_relu_squared(shape):
     assert close(y, reference(a, w, K.ACT_RELU2), 1e-3)
 
 
-@pytest.mark.parametrize("cfg", [(256, 128, 64, 3, 8, 4), (128, 128, 64, 4, 4, 16), (128, 256, 64, 4, 8, 8, True)])
+@pytest.mark.parametrize("cfg", [dict(bm=256, bn=128, group=4), dict(bm=128, bn=128, stages=4, warps=4, group=16),
+                                 dict(stages=4, split_store=True)])
 def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     """bench/gpu_tune.py --parts mm times the matmul as a plain product at other tiles and depths, and
     storing its tiles in halves."""
@@ -148,7 +149,7 @@ def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     torch.manual_seed(1)
     a = torch.randn(M, K_, device=DEVICE).half()
     w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
-    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=K.MmConfig(*cfg))
+    y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=K.MmConfig(**cfg))
     assert close(y, reference(a, w, K.ACT_NONE), 1e-3)
 
 
