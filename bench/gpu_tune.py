@@ -13,10 +13,12 @@ bench/gpu.py is that). Each part prints what it measured and writes DIR/gpu_tune
            back under the power cap: what a new prompt's first token folded in as two more rows
            would cost each (does a 33rd row of 128-row tiles cost a wave?)
   mm       our persistent matmul (kernels.mm_relu2 without relu², kernels.MmConfig) at other tiles,
-           depths and groups, against cuBLAS, on 7.2B's four large-path products at 4,096 tokens;
-           each launch 20 times back to back (under the power cap), the launches in turn, three
-           rounds: can ours reach cuBLAS's rate where it trails (r,k,v, the output, the FFN value)?
-           A launch that does not compile is skipped.
+           depths and groups, and on Hopper the warp-specialised one in Gluon (ws_matmul.mm_ws,
+           ws_matmul.WsConfig; checked against torch in a process of its own first), against
+           cuBLAS, on 7.2B's four large-path products at 4,096 tokens; each launch 20 times back
+           to back (under the power cap), the launches in turn, three rounds: can ours reach
+           cuBLAS's rate where it trails (r,k,v, the output, the FFN value)? A launch that does not
+           compile is skipped.
 
     python bench/gpu_tune.py [--parts gemv,decode,second,rows,mm] [--models 0.1b,1.5b,7.2b] [--out DIR]
 """
@@ -211,22 +213,54 @@ MM_CONFIGS = [K.MM, K.MmConfig(split_store=True), K.MmConfig(stages=4, split_sto
               K.MmConfig(64, 256, stages=4, warps=4)]  # each within the 227 KiB of shared memory
 
 
+WS_CONFIGS = ["{}", '{"stages": 3, "epi_n": 256}', '{"epi_n": 128}', '{"epi_n": 32}', '{"group": 4}',
+              '{"group": 16}', '{"bm": 256, "bn": 128}', '{"bk": 128, "stages": 2}',
+              '{"pingpong": true, "bn": 128, "stages": 6}', '{"pingpong": true, "bn": 128, "stages": 5, "epi_n": 128}',
+              '{"pingpong": true, "bm": 64, "stages": 5}']  # ws_matmul.WsConfig's fields, as JSON
+
+
+def checked_ws_configs() -> list:
+    """The WS_CONFIGS that agree with torch, checked in a process of their own (a launch whose
+    barriers never complete would hang this one); none if that process fails to finish."""
+    import subprocess  # noqa: PLC0415
+
+    try:
+        run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *WS_CONFIGS], capture_output=True,
+                             text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        say("mm: the warp-specialised matmul's check did not finish in 240 s (a partition waits forever); skipped")
+        return []
+    say(f"mm: the warp-specialised matmul's check: {(run.stdout + run.stderr).strip()[-2000:]}")
+    if run.returncode not in (0, 1):
+        return []
+    from replicas.model.ws_matmul import WsConfig  # noqa: PLC0415
+
+    configs = [WsConfig(**json.loads(c)) for c in WS_CONFIGS]
+    return [c for c in configs if str(c) not in run.stdout]
+
+
 def tune_mm(results: dict, name: str = "7.2b") -> None:
-    """ms a product, cuBLAS and each MmConfig, at 4,096 token rows (see the module's docstring)."""
+    """ms a product, cuBLAS and each MmConfig and WsConfig, at 4,096 token rows (see the module's
+    docstring)."""
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     shapes, ws = large_path_products(name)
     acts = {k: torch.randn(4096, k, device="cuda", dtype=torch.float16) for k in {k for _, k in shapes.values()}}
     impls = {"cuBLAS": lambda a, w: torch.mm(a, w.t())}
     a_out = acts[shapes["out"][1]]
     ref = torch.mm(a_out, ws["out"].t()).float()  # each launch checked on the output product first
-    for c in MM_CONFIGS:
+    candidates = [(c, lambda a, w, c=c: K.mm_relu2(a, w, n_sm, relu2=False, cfg=c)) for c in MM_CONFIGS]
+    if torch.cuda.get_device_capability()[0] == 9:
+        from replicas.model.ws_matmul import mm_ws  # noqa: PLC0415
+
+        candidates += [(c, lambda a, w, c=c: mm_ws(a, w, n_sm, relu2=False, cfg=c)) for c in checked_ws_configs()]
+    for c, mm in candidates:
         try:
-            y = K.mm_relu2(a_out, ws["out"], n_sm, relu2=False, cfg=c)
+            y = mm(a_out, ws["out"])
         except Exception as e:  # noqa: BLE001 (out of shared memory, registers: Triton's own errors)
             say(f"mm {c}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             continue
         say(f"mm {c}: the output product {((y.float() - ref).norm() / ref.norm()).item():.1e} from cuBLAS's")
-        impls[str(c)] = lambda a, w, c=c: K.mm_relu2(a, w, n_sm, relu2=False, cfg=c)
+        impls[str(c)] = mm
     for rnd in range(3):
         for impl, mm in impls.items():
             each = {}

@@ -15,6 +15,9 @@ prep kernel's three-level inverse did that in 12-07h: 0.5-2% of a prefill call) 
 as a compile error is. Nothing is executed, so no result is checked: tests/gpu do that.
 
     python tools/compile_kernels.py         # one line per launch; exit 1 on a compile error or serialization
+
+It compiles the matmul launches that `bench/gpu_tune.py --parts mm` times too, the warp-specialised
+Gluon ones (replicas/model/ws_matmul.py) among them.
     python tools/compile_kernels.py --sass  # and each launch's SASS: instructions a thread, top opcodes
 
 The SASS counts are static (every loop body once), which for the loop-free chunk prep kernel is
@@ -38,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGET = ("cuda", 90, 32)  # H200: compute capability 9.0, warps of 32
+SMEM_LIMIT = 232_448  # bytes of shared memory a block may have on sm_90 (227 KiB)
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "i32", torch.int64: "i64"}
 
@@ -63,6 +67,8 @@ def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype]
     if type(value).__name__ == "TensorDescriptor":
+        if hasattr(value, "layout"):  # Gluon's: the shared memory layout is part of its type
+            return f"tensordesc<{_TYPES[value.base.dtype]}{list(value.block_shape)},{value.layout!r}>"
         return f"tensordesc<{_TYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"
@@ -76,14 +82,16 @@ def _arg_type(value) -> str:
 def _source(kernel, args, kwargs):
     """The launch as an ASTSource for the compiler, its constexprs by name, and its options."""
     from triton.compiler import ASTSource  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
 
     names = kernel.arg_names
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # a launch attribute: the kernel's PDL constexpr says what it compiles
     bound = dict(zip(names, args, strict=False)) | kwargs
     constexprs = {names[i]: bound[names[i]] for i in kernel.constexprs}
     signature = {name: "constexpr" if name in constexprs else _arg_type(bound[name]) for name in names}
-    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=_alignment(kernel, args, kwargs))
+    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
+        kernel, signature, constexprs=constexprs, attrs=_alignment(kernel, args, kwargs))
     return source, constexprs, options
 
 
@@ -138,6 +146,28 @@ def exercise_sampler() -> list:
     return launches
 
 
+def exercise_matmuls() -> list:
+    """The launches `bench/gpu_tune.py --parts mm` times, at 7.2B's output product (4,096 x 4,096 ·
+    4,096): the persistent matmul's MmConfigs and the warp-specialised one's WsConfigs (relu² off,
+    and the default with it); the latter are Gluon, which the interpreter cannot run at all."""
+    import json  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_tune import MM_CONFIGS, WS_CONFIGS  # noqa: PLC0415
+
+    from replicas.model import kernels as K  # noqa: PLC0415
+    from replicas.model.ws_matmul import WsConfig, mm_ws  # noqa: PLC0415
+
+    a, w = torch.empty(4096, 4096, dtype=torch.float16), torch.empty(4096, 4096, dtype=torch.float16)
+    with recorded_launches() as launches:
+        for cfg in MM_CONFIGS:
+            K.mm_relu2(a, w, 132, relu2=False, cfg=cfg)
+        for cfg in WS_CONFIGS:
+            mm_ws(a, w, 132, relu2=False, cfg=WsConfig(**json.loads(cfg)))
+        mm_ws(a, w, 132)
+    return launches
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     """What Triton's bundled cuobjdump prints for the cubin with this flag; empty if it is missing."""
     import triton  # noqa: PLC0415
@@ -182,9 +212,9 @@ def serialized_products(ptx: str) -> str:
 
 
 def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
-    """Compiles each distinct launch; returns (launch, problem) for those that fail to compile or
-    whose tensor-core products ptxas serializes. With sass, each launch's SASS instruction count
-    and its most frequent opcodes too."""
+    """Compiles each distinct launch; returns (launch, problem) for those that fail to compile, need
+    more shared memory than sm_90 has, or whose tensor-core products ptxas serializes. With sass,
+    each launch's SASS instruction count and its most frequent opcodes too."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
 
@@ -195,12 +225,16 @@ def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
         if key in seen:
             continue
         seen.add(key)
-        label = f"{kernel.fn.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())}) {options}"
+        tiles = re.findall(r"tensordesc<(\w+\[[^\]]*\])", " ".join(map(str, src.signature.values())))
+        label = (f"{kernel.fn.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())}) {options}"
+                 + (f" tiles {' '.join(tiles)}" if tiles else ""))
         try:
             compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
             use = resource_use(compiled.asm["cubin"]) | {"SMEM": compiled.metadata.shared}
             spills = " SPILLS" if use.get("STACK") or use.get("LOCAL") else ""
             serial = serialized_products(compiled.asm["ptx"])
+            if compiled.metadata.shared > SMEM_LIMIT:  # the launch would fail: out of resources
+                serial = f"{compiled.metadata.shared} bytes of shared memory, more than sm_90's {SMEM_LIMIT}"
             print(f"{'SLOW' if serial else 'ok  '}  {label} {' '.join(f'{k}={v}' for k, v in use.items())}{spills}"
                   + (f"\n      {serial}" if serial else ""), flush=True)
             if serial:
@@ -216,7 +250,7 @@ def compile_all(launches: list, sass: bool = False) -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    failures = compile_all(exercise_runner() + exercise_sampler(), sass="--sass" in sys.argv[1:])
+    failures = compile_all(exercise_runner() + exercise_sampler() + exercise_matmuls(), sass="--sass" in sys.argv[1:])
     print(f"{len(failures)} launch(es) failed to compile for sm_90 or have their products serialized" if failures
           else "every launch compiles for sm_90, none with its products serialized")
     return 1 if failures else 0

@@ -4,6 +4,7 @@
   tiles; store and atomic-add epilogues; grouped (per-block input columns, K and activation).
 - gemv_live_rows (W stored [K, N], one or two rows): the rows of W whose input is 0 are not read.
 - mm_relu2: the large path's key product with relu² in its epilogue, tiles cut by the matrix's ends.
+- ws_matmul.mm_ws (Hopper only, not in the runner): the warp-specialised matmul in Gluon.
 - ln_shift_mix: a program a token (columns spread over programs) and the rows kernel (a program a
   run of tokens), in decode (x and the shift updated in place) and in ragged prefill.
 
@@ -12,6 +13,10 @@ Marked `gpu`; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +24,7 @@ from .conftest import CUDA, DEVICE, INTERPRET, KERNEL_MARKS
 
 pytestmark = KERNEL_MARKS
 K = pytest.importorskip("replicas.model.kernels") if (CUDA or INTERPRET) else None
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIGS = {
     "fma-loop": lambda: K.GemvConfig(True, 8, 64, 4, 3, 4),
@@ -151,6 +157,24 @@ def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
     y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=K.MmConfig(**cfg))
     assert close(y, reference(a, w, K.ACT_NONE), 1e-3)
+
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="Hopper's warpgroup products (sm_90); Gluon has no interpreter")
+def test_warp_specialised_matmul_is_the_product():
+    """replicas/model/ws_matmul.py at the launches bench/gpu_tune.py --parts mm times first, relu² on
+    and off, in a process of its own: a launch whose barriers never complete hangs, and the
+    timeout ends it."""
+    launches = ["{}", '{"stages": 3, "epi_n": 256}', '{"bm": 256, "bn": 128}', '{"bk": 128, "stages": 2}',
+                '{"pingpong": true, "bn": 128, "stages": 6}', '{"pingpong": true, "bm": 64, "stages": 5}']
+    try:
+        run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *launches], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the warp-specialised matmul did not finish in 300 s: a partition waits for a barrier")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
 
 
 def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):

@@ -3,7 +3,9 @@
 tools/compile_kernels.py runs the runner's decode and prefill paths on the CPU with the launches
 recorded, then compiles each for sm_90: Triton's type and shape errors (which the interpreter does
 not see) fail here instead of on the device, and so does a kernel whose tensor-core products
-ptxas serializes for want of registers (the chunk prep kernel's, in 12-07h). Needs Triton, which
+ptxas serializes for want of registers (the chunk prep kernel's, in 12-07h). The matmul launches
+that bench/gpu_tune.py times are compiled too, the warp-specialised Gluon ones among them (Gluon
+has no interpreter: this is all of it that runs without a GPU). Needs Triton, which
 CPU-only torch does not bring, so it is marked `gpu` and skipped where Triton is absent.
 """
 
@@ -25,8 +27,9 @@ def test_every_launch_compiles_for_sm90():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import compile_kernels  # noqa: PLC0415
 
-    launches = compile_kernels.exercise_runner() + compile_kernels.exercise_sampler()
+    C = compile_kernels
+    launches = C.exercise_runner() + C.exercise_sampler() + C.exercise_matmuls()
     names = {kernel.fn.__name__ for kernel, _, _ in launches}
-    assert {"_gemv_kernel", "_gemv_fma_kernel", "_wkv_decode_kernel", "_ln_shift_mix_kernel",
-            "_wkv_recurrent_kernel", "_sample_kernel", "_gemv_live_rows_kernel"} <= names  # every path was exercised
-    assert compile_kernels.compile_all(launches) == []
+    assert {"_gemv_kernel", "_gemv_fma_kernel", "_wkv_decode_kernel", "_ln_shift_mix_kernel", "_wkv_recurrent_kernel",
+            "_sample_kernel", "_gemv_live_rows_kernel", "_mm_kernel", "_ws_kernel"} <= names  # every path was exercised
+    assert C.compile_all(launches) == []
