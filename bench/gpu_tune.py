@@ -213,10 +213,12 @@ MM_CONFIGS = [K.MM, K.MmConfig(split_store=True), K.MmConfig(stages=4, split_sto
               K.MmConfig(64, 256, stages=4, warps=4)]  # each within the 227 KiB of shared memory
 
 
-WS_CONFIGS = ["{}", '{"stages": 3, "epi_n": 256}', '{"epi_n": 128}', '{"epi_n": 32}', '{"group": 4}',
-              '{"group": 16}', '{"bm": 256, "bn": 128}', '{"bk": 128, "stages": 2}',
-              '{"pingpong": true, "bn": 128, "stages": 6}', '{"pingpong": true, "bn": 128, "stages": 5, "epi_n": 128}',
-              '{"pingpong": true, "bm": 64, "stages": 5}']  # ws_matmul.WsConfig's fields, as JSON
+WS_CONFIGS = ["{}", '{"epi_bufs": 1}', '{"stages": 3, "epi_n": 256, "epi_bufs": 1}', '{"stages": 3, "epi_n": 128}',
+              '{"epi_n": 32}', '{"group": 4}', '{"group": 16}', '{"bm": 256, "bn": 128, "epi_bufs": 1}',
+              '{"bm": 256, "bn": 128, "stages": 3}', '{"bk": 128, "stages": 2}',
+              '{"pingpong": true, "bn": 128, "stages": 6, "epi_bufs": 1}', '{"pingpong": true, "bn": 128, "stages": 5}',
+              '{"pingpong": true, "bn": 128, "stages": 5, "epi_n": 128, "epi_bufs": 1}',
+              '{"pingpong": true, "bm": 64, "stages": 5, "epi_bufs": 1}']  # ws_matmul.WsConfig's fields, as JSON
 
 
 def checked_ws_configs() -> list:

@@ -11,7 +11,8 @@ schedule:
     consumers  2 × 4 warps one warpgroup each, rows [0, BM/2) and [BM/2, BM) of the program's tile:
                           wgmma on the buffers, one product in flight behind the next; a buffer's
                           `empty` takes both consumers' arrivals; then the tile's epilogue
-                          (relu², fp16, stored through shared memory by TMA in EPI_N-wide parts)
+                          (relu², fp16, stored through shared memory by TMA in EPI_N-wide parts,
+                          EPI_BUFS buffers taking them in turn)
 
 or, as in CUTLASS's ping-pong schedule (`WsConfig.pingpong`), each consumer takes every other
 tile whole, the two taking their tiles' steps in turn (the loads arrive in the tiles' order), so
@@ -48,7 +49,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 @dataclass(frozen=True)
 class WsConfig:
     """A launch: tiles of bm × bn, bk of K a step, `stages` buffers, `group` row tiles sharing column
-    tiles in turn, the epilogue stored epi_n columns at a time; `regs` the consumers' registers a
+    tiles in turn, the epilogue stored epi_n columns at a time through epi_bufs buffers a consumer
+    (with two, a part is written while the one before is stored); `regs` the consumers' registers a
     thread (the loader keeps 40). Cooperative (each consumer bm/2 rows of every tile), or with
     `pingpong` each consumer every other tile, whole, so that one's epilogue runs while the other
     multiplies. A consumer holds at most 128 fp32 sums a thread: bm · bn ≤ 128 · 256 (cooperative),
@@ -59,6 +61,7 @@ class WsConfig:
     stages: int = 4
     group: int = 8
     epi_n: int = 64
+    epi_bufs: int = 2
     regs: int = 232
     pingpong: bool = False
 
@@ -68,12 +71,13 @@ class WsConfig:
         return self.bm if self.pingpong else self.bm // 2
 
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.rows * self.epi_n * 2
+        return self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.epi_bufs * self.rows * self.epi_n * 2
 
     def __post_init__(self):
-        if self.rows not in (64, 128) or self.rows * self.bn > 128 * 128 or self.bn % self.epi_n:
+        if self.rows not in (64, 128) or self.rows * self.bn > 128 * 128 or self.bn % (self.epi_n * self.epi_bufs):
             raise ValueError(f"{self}: a consumer's rows (bm/2, or bm with pingpong) 64 or 128, at most 128 sums "
-                             "a thread (its rows · bn ≤ 128 · 128), bn stored in epi_n parts")
+                             "a thread (its rows · bn ≤ 128 · 128), bn stored in epi_n parts, a multiple of "
+                             "epi_bufs of them (so each tile's first part takes the first buffer)")
         if self.smem_bytes() > 227 * 1024:
             raise ValueError(f"{self}: {self.smem_bytes()} bytes of shared memory, more than 227 KiB")
 
@@ -140,6 +144,7 @@ def _consumer(y_desc, a_bufs, w_bufs, ready, empty, turn, y_smem, M, N, K, HALF:
     ROWS: gl.constexpr = BM if PINGPONG else BM // 2
     FIRST_ROW: gl.constexpr = 0 if PINGPONG else HALF * ROWS
     EPI_N: gl.constexpr = y_desc.block_type.shape[1]
+    EPI_BUFS: gl.constexpr = y_smem.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     n_m, n_n, n_k = gl.cdiv(M, BM), gl.cdiv(N, BN), gl.cdiv(K, BK)
@@ -172,10 +177,11 @@ def _consumer(y_desc, a_bufs, w_bufs, ready, empty, turn, y_smem, M, N, K, HALF:
             acc = acc * acc
         parts = _parts(acc.to(y_desc.dtype), BN // EPI_N)
         for j in gl.static_range(len(parts)):
-            tma.store_wait(pendings=0)  # the part before has left y_smem
-            y_smem.store(parts[j])
+            buf = y_smem.index(j % EPI_BUFS)
+            tma.store_wait(pendings=EPI_BUFS - 1)  # the part EPI_BUFS before has left buf
+            buf.store(parts[j])
             fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [i_m * BM + FIRST_ROW, i_n * BN + j * EPI_N], y_smem)
+            tma.async_copy_shared_to_global(y_desc, [i_m * BM + FIRST_ROW, i_n * BN + j * EPI_N], buf)
         if PINGPONG:
             i += n_k  # the other consumer's tile
     tma.store_wait(pendings=0)
@@ -183,11 +189,12 @@ def _consumer(y_desc, a_bufs, w_bufs, ready, empty, turn, y_smem, M, N, K, HALF:
 
 @gluon.jit
 def _ws_kernel(a_desc, w_desc, y_desc, M, N, K, STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr,
-               RELU2: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+               RELU2: gl.constexpr, PINGPONG: gl.constexpr, EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               LOADER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    y_smem0 = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-    y_smem1 = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+    y_smem0 = gl.allocate_shared_memory(y_desc.dtype, [EPI_BUFS] + y_desc.block_type.shape, y_desc.layout)
+    y_smem1 = gl.allocate_shared_memory(y_desc.dtype, [EPI_BUFS] + y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # pingpong: whose steps next
@@ -219,8 +226,8 @@ def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: 
     # at launch, then set per partition (the default partition takes what the other two leave)
     _ws_kernel[(n_sm,)](
         desc(a, [cfg.bm, cfg.bk]), desc(w, [cfg.bn, cfg.bk]), desc(y, [cfg.rows, cfg.epi_n]), M, N, K,
-        STAGES=cfg.stages, GROUP=cfg.group, PROGRAMS=n_sm, RELU2=relu2, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.regs,
-        LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=168)
+        STAGES=cfg.stages, GROUP=cfg.group, PROGRAMS=n_sm, RELU2=relu2, PINGPONG=cfg.pingpong, EPI_BUFS=cfg.epi_bufs,
+        CONSUMER_REGS=cfg.regs, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=168)
     return y
 
 

@@ -167,8 +167,9 @@ def test_warp_specialised_matmul_is_the_product():
     """replicas/model/ws_matmul.py at the launches bench/gpu_tune.py --parts mm times first, relu² on
     and off, in a process of its own: a launch whose barriers never complete hangs, and the
     timeout ends it."""
-    launches = ["{}", '{"stages": 3, "epi_n": 256}', '{"bm": 256, "bn": 128}', '{"bk": 128, "stages": 2}',
-                '{"pingpong": true, "bn": 128, "stages": 6}', '{"pingpong": true, "bm": 64, "stages": 5}']
+    launches = ["{}", '{"stages": 3, "epi_n": 256, "epi_bufs": 1}', '{"bm": 256, "bn": 128, "stages": 3}',
+                '{"bk": 128, "stages": 2}', '{"pingpong": true, "bn": 128, "stages": 5}',
+                '{"pingpong": true, "bm": 64, "stages": 5, "epi_bufs": 1}']
     try:
         run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *launches], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
