@@ -232,9 +232,9 @@ def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: 
 
 
 def check(configs: list[WsConfig], shape: tuple[int, int, int] = (4160, 808, 1088)) -> list[str]:
-    """Each launch against torch's fp64 product, relu² on and off, at (M, K, N) cut by the tiles at
-    both ends of M and N, K not a multiple of the steps; what differs, as lines (none: all agree
-    within 1e-3)."""
+    """Each launch against torch's fp64 product (the first with relu² too), at (M, K, N) cut by the
+    tiles at both ends of M and N, K not a multiple of the steps; what differs, as lines (none: all
+    agree within 1e-3)."""
     M, K, N = shape
     torch.manual_seed(0)
     a = torch.randn(M, K, device="cuda").half()
@@ -242,7 +242,7 @@ def check(configs: list[WsConfig], shape: tuple[int, int, int] = (4160, 808, 108
     ref = a.double() @ w.double().t()
     problems = []
     for cfg in configs:
-        for relu2 in (False, True):
+        for relu2 in (False, True) if cfg == configs[0] else (False,):  # relu² is the epilogue's, once is enough
             want = ref.relu() ** 2 if relu2 else ref
             try:
                 got = mm_ws(a, w, torch.cuda.get_device_properties(0).multi_processor_count, relu2, cfg)

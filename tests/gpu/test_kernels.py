@@ -164,9 +164,9 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 @pytest.mark.skipif(not HOPPER, reason="Hopper's warpgroup products (sm_90); Gluon has no interpreter")
 def test_warp_specialised_matmul_is_the_product():
-    """replicas/model/ws_matmul.py at the launches bench/gpu_tune.py --parts mm times first, relu² on
-    and off, in a process of its own: a launch whose barriers never complete hangs, and the
-    timeout ends it."""
+    """replicas/model/ws_matmul.py at six of the launches bench/gpu_tune.py --parts mm times (the
+    first with relu² too), in a process of its own: a launch whose barriers never complete hangs,
+    and the timeout ends it."""
     launches = ["{}", '{"stages": 3, "epi_n": 256, "epi_bufs": 1}', '{"bm": 256, "bn": 128, "stages": 3}',
                 '{"bk": 128, "stages": 2}', '{"pingpong": true, "bn": 128, "stages": 5}',
                 '{"pingpong": true, "bm": 64, "stages": 5, "epi_bufs": 1}']
