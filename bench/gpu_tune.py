@@ -29,6 +29,7 @@ import argparse
 import functools
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -224,8 +225,6 @@ WS_CONFIGS = ["{}", '{"epi_bufs": 1}', '{"stages": 3, "epi_n": 256, "epi_bufs": 
 def checked_ws_configs() -> list:
     """The WS_CONFIGS that agree with torch, checked in a process of their own (a launch whose
     barriers never complete would hang this one); none if that process fails to finish."""
-    import subprocess  # noqa: PLC0415
-
     try:
         run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *WS_CONFIGS], capture_output=True,
                              text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
