@@ -150,7 +150,8 @@ def exercise_sampler() -> list:
 def exercise_matmuls() -> list:
     """The launches `bench/gpu_tune.py --parts mm` times, at 7.2B's output product (4,096 x 4,096 ·
     4,096): the persistent matmul's MmConfigs and the warp-specialised one's WsConfigs (relu² off,
-    and the default with it); the latter are Gluon, which the interpreter cannot run at all."""
+    and the default with it and in bf16, as its check runs them); the latter are Gluon, which the
+    interpreter cannot run at all."""
     import json  # noqa: PLC0415
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -166,6 +167,7 @@ def exercise_matmuls() -> list:
         for cfg in WS_CONFIGS:
             mm_ws(a, w, 132, relu2=False, cfg=WsConfig(**json.loads(cfg)))
         mm_ws(a, w, 132)
+        mm_ws(a.bfloat16(), w.bfloat16(), 132, relu2=False)
     return launches
 
 
