@@ -28,7 +28,11 @@ vocabulary 65,536; FFN 4·C; LoRA ranks as the released models), built directly 
   * a prefix's state moved between engines (export, pickle, import, first token) against
     prefilling it: what `state_move_min_tokens` weighs on a GPU.
 
-    python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore]
+    python bench/gpu.py [--models 0.1b,1.5b,7.2b] [--out DIR] [--no-rwkv] [--no-engine] [--explore] [--ws]
+
+--ws also runs the large path's products on the warp-specialised matmul (replicas/model/ws_matmul.py,
+Hopper only; not the runner's path yet): its error on the new prompt (outside the bar's verdict)
+and its prefill rates under "Other paths", beside cuBLAS's in the same process.
 
 Progress goes to stderr; the Markdown table to stdout and DIR/gpu_bench.md (DIR/gpu_bench.json
 holds every number).
@@ -223,7 +227,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[float]]]:
+def exactness(model: RWKV7, runner, ws: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Our paths against the fp32 reference on the same (fp16) weights: relative logit errors, and
     the long prefill's per row (which row a large error comes from)."""
     from replicas.model.runner import ModelRunner  # noqa: PLC0415
@@ -314,10 +318,31 @@ def exactness(model: RWKV7, runner) -> tuple[dict[str, float], dict[str, list[fl
     long_ref = ModelRunner(ref_model, max_slots=1, wkv=wkv_chunked)
     long = toks(4096)
     runner.reset(7)
-    errors["prefill 1 × 4,096, new prompt"] = rel_err(runner.prefill([7], [long]), long_ref.prefill([0], [long]))
+    expected_long = long_ref.prefill([0], [long])
+    errors["prefill 1 × 4,096, new prompt"] = rel_err(runner.prefill([7], [long]), expected_long)
+    if ws:  # (not the runner's path yet: outside the bar's verdict)
+        runner.reset(7)
+        with overridden(runner, large_mm="ws"):
+            errors[WS_NEW_PROMPT] = rel_err(runner.prefill([7], [long]), expected_long)
     del reference, long_ref
     torch.cuda.empty_cache()
     return errors, rows
+
+
+WS_NEW_PROMPT = "(the warp-specialised matmul, not in the runner's path) prefill 1 × 4,096, new prompt"
+
+
+def ws_checked() -> bool:
+    """Whether --ws can run: a Hopper GPU, and ws_matmul's default launch agreeing with torch in a
+    process of its own (a launch whose barriers never complete would hang this one)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        say("--ws: not a Hopper GPU; skipped")
+        return False
+    from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
+
+    passed, out = check_in_child(["{}"])
+    say(f"--ws: the warp-specialised matmul's check: {out}")
+    return bool(passed)
 
 
 def time_decode(runner, batch: int, seconds: float = 0.4) -> float:
@@ -391,7 +416,7 @@ def bench_ours(name: str, args, results: dict) -> None:
     runner = CudaRunner(model, max_slots=max(DECODE_BATCHES))
     say(f"{name}: prefill wkv = {runner.prefill_wkv}; exactness against the fp32 reference")
     try:
-        errs, rows = exactness(model, runner)
+        errs, rows = exactness(model, runner, ws=args.ws)
         results["exactness"][name] = errs
         results["exactness_rows"][name] = rows
         say(f"{name}: relative logit errors {json.dumps({k: round(v, 5) for k, v in errs.items()})}")
@@ -455,6 +480,12 @@ def bench_ours(name: str, args, results: dict) -> None:
             results["explore"][f"{name}|{case} products written in fp32"] = fp32_out
             going_on = time_prefill(runner, rows, length, fresh=False)
             results["explore"][f"{name}|{case} going on from a state"] = going_on
+            if args.ws:  # the large path's products on the warp-specialised matmul, three calls and twelve
+                with overridden(runner, large_mm="ws"):
+                    for reps, label in ((3, ""), (STEADY_CALLS, f" {STEADY_CALLS} calls back to back")):
+                        ws_rate = time_prefill(runner, rows, length, reps=reps)
+                        results["explore"][f"{name}|{case} warp-specialised matmul{label}"] = ws_rate
+                        say(f"{name}: {case} on the warp-specialised matmul{label}: {ws_rate:,.0f} tokens/s")
             # the table's timing (three calls) carries the first call's host work and graph launch;
             # over more calls the GPU's power limit lowers its clock instead: both are shown
             steady = time_prefill(runner, rows, length, reps=STEADY_CALLS)
@@ -853,6 +884,9 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds after which our cases are skipped")
     parser.add_argument("--rwkv-time", type=float, default=150, help="seconds for the rwkv package after that")
     parser.add_argument("--scratch", default="/tmp/rwkv-fleet-bench", help="the rwkv child's result files")
+    parser.add_argument("--ws", action="store_true",
+                        help="also the large path on the warp-specialised matmul (ws_matmul.py, Hopper): "
+                             "its exactness on the new prompt and its prefill rates, under Other paths")
     parser.add_argument("--rwkv-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
@@ -866,6 +900,8 @@ def main() -> None:
                "sampler": {}, "live_rows": {}, "state_move": [], "engine_model": args.engine_model}
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     torch.backends.cudnn.allow_tf32 = False
+    if args.ws:
+        args.ws = ws_checked()
     results["ceilings"] = measure_ceilings()
     torch.cuda.empty_cache()
     say(f"ceilings: {results['ceilings']['bandwidth'] / 1e12:.2f} TB/s, "

@@ -29,7 +29,6 @@ import argparse
 import functools
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -223,21 +222,13 @@ WS_CONFIGS = ["{}", '{"epi_bufs": 1}', '{"stages": 3, "epi_n": 256, "epi_bufs": 
 
 
 def checked_ws_configs() -> list:
-    """The WS_CONFIGS that agree with torch, checked in a process of their own (a launch whose
-    barriers never complete would hang this one); none if that process fails to finish."""
-    try:
-        run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *WS_CONFIGS], capture_output=True,
-                             text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
-    except subprocess.TimeoutExpired:
-        say("mm: the warp-specialised matmul's check did not finish in 240 s (a partition waits forever); skipped")
-        return []
-    say(f"mm: the warp-specialised matmul's check: {(run.stdout + run.stderr).strip()[-2000:]}")
-    if not (run.returncode == 0 or run.returncode == 1 and "relu2=" in run.stdout):
-        return []  # the check itself failed: nothing is known of the launches
-    from replicas.model.ws_matmul import WsConfig  # noqa: PLC0415
+    """The WS_CONFIGS that agree with torch (ws_matmul.check_in_child: a launch whose barriers never
+    complete would hang this process)."""
+    from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
 
-    configs = [WsConfig(**json.loads(c)) for c in WS_CONFIGS]
-    return [c for c in configs if f"{c} relu2=" not in run.stdout]
+    passed, out = check_in_child(WS_CONFIGS)
+    say(f"mm: the warp-specialised matmul's check: {out}")
+    return passed or []
 
 
 def tune_mm(results: dict, name: str = "7.2b") -> None:

@@ -134,6 +134,9 @@ def exercise_runner() -> list:
                 runner.prefill([0, 1], [[1] * 150, [2] * 70])
             runner.n_sm = 132
             runner.prefill([0], [[1] * 1100])  # the key product with relu² (kernels.mm_relu2)
+            runner.large_mm = "ws"  # the large path on the warp-specialised matmul (bench/gpu.py --ws)
+            runner.prefill([0], [[1] * 1100])
+            runner.large_mm = "cublas"
     return launches
 
 

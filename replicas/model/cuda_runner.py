@@ -27,7 +27,9 @@ inputs reach the GPU in one asynchronous copy per call (and a new prompt's logit
 an index that goes up the same way). A call is padded to buckets of rows and tokens (rows on
 the scratch slot: call_shapes.py), and buckets seen before replay a CUDA graph of the call,
 whatever the rows' lengths. A new row's first token (its slot reset) runs first as a gemv decode
-step, fp32 activations: see call_shapes.plan.
+step, fp32 activations: see call_shapes.plan. The large path's products are cuBLAS's (the key
+product with relu² our own, kernels.mm_relu2), or with large_mm = "ws" the warp-specialised
+Gluon matmul of ws_matmul.py (off: not yet measured in the runner; bench/gpu.py --ws).
 Kernels launch with programmatic dependent launch where the GPU has it (kernels.PDL): each
 starts while its predecessor finishes, reading meanwhile what does not depend on it (weights,
 the slots' states).
@@ -180,6 +182,11 @@ class CudaRunner(SlotStates):
         # faster in the prefill of 4,096 tokens; either way the logits' errors differ by < 3e-4
         self.fp32_outputs_decode = True
         self.fp32_outputs_prefill = False
+        # the large path's products of calls of MM_RELU2_ROWS tokens or more (r, k, v; the output;
+        # the FFN key with relu², value): "cublas" (the key product kernels.mm_relu2) or "ws", the
+        # warp-specialised Gluon matmul of ws_matmul.py (Hopper; not yet measured in the runner:
+        # bench/gpu.py --ws times it beside cuBLAS)
+        self.large_mm = "cublas"
         w_v_bytes = self.C * self.F * dtype.itemsize
         self.live_rows = w_v_bytes >= LIVE_ROWS_MIN_BYTES if live_rows is None else live_rows
         self._pack(model)
@@ -286,7 +293,7 @@ class CudaRunner(SlotStates):
             pieces.append(fields)
         host, sizes = torch.cat(pieces), [piece.shape[0] for piece in pieces]
         key = (tuple((len(rows), want) for rows, _, want in steps), layout, every,
-               self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows, self.second_rows)
+               self.prefill_wkv, self.fp32_outputs_prefill, self.live_rows, self.second_rows, self.large_mm)
 
         def body(dev: Tensor) -> list[Tensor | None]:
             views, outs = dev.split(sizes), []
@@ -534,15 +541,20 @@ class CudaRunner(SlotStates):
             return K.gemv(hn, self.head, out, B, n_sm=self.n_sm)
         return self._mm_f32(hn, self.head.t())
 
-    # -- products of the large path (cuBLAS) ----------------------------------------------------
+    # -- products of the large path (cuBLAS, or the warp-specialised matmul) ----------------------
 
-    def _projections(self, lw: _Layer, mixed: Tensor, T: int, fp32: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """r, k, v -> [3, T, C] in one batched cuBLAS product; the LoRA outputs (wl, al, vl, g) as
+    def _projections(self, lw: _Layer, mixed: Tensor, T: int,
+                     fp32: bool) -> tuple[Sequence[Tensor], tuple[Tensor, ...]]:
+        """r, k, v -> [3, T, C] in one batched cuBLAS product (or [T, C] views of one [T, 3C] grouped
+        launch of the warp-specialised matmul, self.large_mm); the LoRA outputs (wl, al, vl, g) as
         [T, C] views, from two batched products a batch of LoRAs (LORA_ONE or LORA_SPLIT) and one
         launch for both activations (eight products of their own widths took ten launches; one
         batch of four was 1.14x at 256 decode rows of the 1.5B shape, the same prefill rate)."""
         C = self.C
-        rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
+        if self._ws(T, fp32):  # r, k, v in one launch: [T, 3C], each a view of C columns
+            rkv = self._mm_ws(mixed[:, :3 * C], lw.w_in[:3 * C], groups=3).split(C, dim=1)
+        else:
+            rkv = self._bmm_out(mixed[:, :3 * C].view(T, 3, C).transpose(0, 1), lw.w_rkv_t, fp32)
         # xv, xw, xa, xg: each batch's inputs are consecutive columns of mixed
         batching = LORA_SPLIT if T > LORA_SPLIT_TOKENS else LORA_ONE
         views = lw.lora[batching]
@@ -554,15 +566,31 @@ class CudaRunner(SlotStates):
         return rkv, _kernel_order(outs)
 
     def _ffn(self, lw: _Layer, kin: Tensor, fp32: bool) -> Tensor:
-        if kin.shape[0] >= K.MM_RELU2_ROWS:  # relu² in the key product's epilogue
+        if self._ws(kin.shape[0], fp32):
+            k = self._mm_ws(kin, lw.wfk, relu2=True)
+        elif kin.shape[0] >= K.MM_RELU2_ROWS:  # relu² in the key product's epilogue
             k = K.mm_relu2(kin, lw.wfk, self.n_sm)
         else:
             k = K.relu2_(torch.mm(kin, lw.wfk.t()))
         return self._mm_out(k, lw.wfv.t(), fp32)
 
+    def _ws(self, T: int, fp32: bool) -> bool:
+        """Whether a product of T token rows takes the warp-specialised matmul (self.large_mm): not
+        where its outputs are fp32, nor where r, k and v would not be whole tiles of 256 columns
+        each (the released shapes are: C 768, 2,048, 4,096)."""
+        return self.large_mm == "ws" and T >= K.MM_RELU2_ROWS and not fp32 and self.C % 256 == 0
+
+    def _mm_ws(self, a: Tensor, w: Tensor, relu2: bool = False, groups: int = 1) -> Tensor:
+        from . import ws_matmul  # noqa: PLC0415 (Gluon: a Triton of 2026, imported only where asked for)
+
+        return ws_matmul.mm_ws(a, w, self.n_sm, relu2=relu2, groups=groups)
+
     def _mm_out(self, a: Tensor, b: Tensor, fp32: bool) -> Tensor:
         """a · b from cuBLAS, written in fp32 (one rounding less per product on the way into the
-        residual or the recurrence), else in the runner's dtype."""
+        residual or the recurrence), else in the runner's dtype; b is a weight's transpose, so the
+        warp-specialised matmul takes it as the weight (self.large_mm)."""
+        if self._ws(a.shape[0], fp32):
+            return self._mm_ws(a, b.t())
         return self._mm_f32(a, b) if fp32 else torch.mm(a, b)
 
     def _bmm_out(self, a: Tensor, b: Tensor, fp32: bool) -> Tensor:

@@ -31,7 +31,11 @@ tests/gpu/test_kernels.py checks it against torch. Needs a GPU of compute capabi
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from triton.experimental import gluon
@@ -110,7 +114,10 @@ def _parts(x, N_PARTS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, GROUP: gl.constexpr, PROGRAMS: gl.constexpr):
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, GROUP_N, GROUP: gl.constexpr,
+            PROGRAMS: gl.constexpr):
+    """The loads in the tiles' order; a column tile in the g-th GROUP_N outputs reads a's g-th K
+    columns (one group: all of them)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -119,12 +126,13 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, GROUP: gl.con
     i = 0
     for t in range(gl.program_id(0), n_m * n_n, PROGRAMS):
         i_m, i_n = _tile(t, n_m, n_n, GROUP)
+        a_col = i_n * BN // GROUP_N * K
         for k in range(n_k):
             s = i % STAGES
             # a buffer's barrier starts in phase 0 complete: its first wait (phase 1) passes
             mbarrier.wait(empty.index(s), (i // STAGES & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [i_m * BM, k * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(a_desc, [i_m * BM, a_col + k * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [i_n * BN, k * BK], ready.index(s), w_bufs.index(s))
             i += 1
 
@@ -188,9 +196,9 @@ def _consumer(y_desc, a_bufs, w_bufs, ready, empty, turn, y_smem, M, N, K, HALF:
 
 
 @gluon.jit
-def _ws_kernel(a_desc, w_desc, y_desc, M, N, K, STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr,
-               RELU2: gl.constexpr, PINGPONG: gl.constexpr, EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-               LOADER_REGS: gl.constexpr):
+def _ws_kernel(a_desc, w_desc, y_desc, M, N, K, GROUP_N, STAGES: gl.constexpr, GROUP: gl.constexpr,
+               PROGRAMS: gl.constexpr, RELU2: gl.constexpr, PINGPONG: gl.constexpr, EPI_BUFS: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     y_smem0 = gl.allocate_shared_memory(y_desc.dtype, [EPI_BUFS] + y_desc.block_type.shape, y_desc.layout)
@@ -208,14 +216,20 @@ def _ws_kernel(a_desc, w_desc, y_desc, M, N, K, STAGES: gl.constexpr, GROUP: gl.
                      PINGPONG)),
         (_consumer, (y_desc, a_bufs, w_bufs, ready, empty, turn, y_smem1, M, N, K, 1, GROUP, PROGRAMS, RELU2,
                      PINGPONG)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, GROUP, PROGRAMS)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, GROUP_N, GROUP, PROGRAMS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: WsConfig = WS) -> torch.Tensor:
+def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: WsConfig = WS,
+          groups: int = 1) -> torch.Tensor:
     """relu(a · wᵀ)² [M, N] in a's dtype (a · wᵀ without relu2), the sums in fp32: a [M, K], w [N, K],
-    both contiguous fp16 or bf16 (K a multiple of 8); kernels.mm_relu2's contract."""
-    (M, K), N = a.shape, w.shape[0]
+    fp16 or bf16, rows contiguous (a may be a view of wider rows), K a multiple of 8;
+    kernels.mm_relu2's contract. groups > 1: `groups` products in one launch, a [M, groups · K]
+    and w [groups · N', K], output columns [g·N', (g+1)·N') from a's columns [g·K, (g+1)·K)
+    (the time mix's r, k, v from their mixes; N' a multiple of cfg.bn, K of cfg.bk)."""
+    M, N, K = a.shape[0], w.shape[0], w.shape[1]
+    if a.shape[1] != groups * K or N % groups or groups > 1 and (N // groups % cfg.bn or K % cfg.bk):
+        raise ValueError(f"mm_ws: a {tuple(a.shape)}, w {tuple(w.shape)} in {groups} groups at {cfg}")
     y = torch.empty(M, N, device=a.device, dtype=a.dtype)
     dt = gl.float16 if a.dtype == torch.float16 else gl.bfloat16
 
@@ -225,7 +239,7 @@ def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: 
     # 12 warps (the loader's warp rounds up to a warpgroup) within the 64 K registers: 168 a thread
     # at launch, then set per partition (the default partition takes what the other two leave)
     _ws_kernel[(n_sm,)](
-        desc(a, [cfg.bm, cfg.bk]), desc(w, [cfg.bn, cfg.bk]), desc(y, [cfg.rows, cfg.epi_n]), M, N, K,
+        desc(a, [cfg.bm, cfg.bk]), desc(w, [cfg.bn, cfg.bk]), desc(y, [cfg.rows, cfg.epi_n]), M, N, K, N // groups,
         STAGES=cfg.stages, GROUP=cfg.group, PROGRAMS=n_sm, RELU2=relu2, PINGPONG=cfg.pingpong, EPI_BUFS=cfg.epi_bufs,
         CONSUMER_REGS=cfg.regs, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=168)
     return y
@@ -233,40 +247,57 @@ def mm_ws(a: torch.Tensor, w: torch.Tensor, n_sm: int, relu2: bool = True, cfg: 
 
 def check(configs: list[WsConfig], shape: tuple[int, int, int] = (4160, 808, 1088)) -> list[str]:
     """Each launch against torch's fp64 product of the same operands, at (M, K, N) cut by the tiles
-    at both ends of M and N, K not a multiple of the steps: fp16, and for the first launch relu²
-    and bf16 too (the epilogue's and the types', the same in every launch). What differs, as lines
-    (none: all agree within 1e-3, bf16 4e-3: its output's rounding alone is about 1e-3)."""
+    at both ends of M and N, K not a multiple of the steps: fp16, and for the first launch relu²,
+    bf16 and three groups too (the epilogue's, the types' and the loads' cases, the same in every
+    launch). What differs, as lines (none: all agree within 1e-3, bf16 4e-3: its output's rounding
+    alone is about 1e-3)."""
     M, K, N = shape
     torch.manual_seed(0)
-    a, w = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda") / K**0.5
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def problem(cfg: WsConfig, relu2: bool, dtype: torch.dtype) -> str:
-        a_, w_ = a.to(dtype), w.to(dtype)
-        want = a_.double() @ w_.double().t()
+    def problem(cfg: WsConfig, relu2: bool, dtype: torch.dtype, groups: int) -> str:
+        k, n = (K, N) if groups == 1 else (K // cfg.bk * cfg.bk, cfg.bn * 2)  # a group: whole steps and tiles
+        a = torch.randn(M, groups * k + 8, device="cuda").to(dtype)[:, :groups * k]  # rows wider than the product's
+        w = (torch.randn(groups * n, k, device="cuda") / k**0.5).to(dtype)
+        want = torch.cat([a[:, g * k:(g + 1) * k].double() @ w[g * n:(g + 1) * n].double().t() for g in range(groups)],
+                         dim=1)
         want = want.relu() ** 2 if relu2 else want
         try:
-            got = mm_ws(a_, w_, n_sm, relu2, cfg)
+            got = mm_ws(a, w, n_sm, relu2, cfg, groups)
         except Exception as e:  # noqa: BLE001 (Triton's compile and launch errors: reported, the next checked)
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         err = ((got.double() - want).norm() / want.norm()).item()
         return "" if err <= (1e-3 if dtype == torch.float16 else 4e-3) else f"{err:.1e} from torch's product"
 
     problems = []
+    fp16, bf16 = torch.float16, torch.bfloat16
     for cfg in configs:
-        first = [(True, torch.float16), (False, torch.bfloat16)] if cfg == configs[0] else []
-        for relu2, dtype in [(False, torch.float16), *first]:
-            if found := problem(cfg, relu2, dtype):
-                problems.append(f"{cfg} relu2={relu2} {dtype}: {found}")
+        first = [(True, fp16, 1), (False, bf16, 1), (False, fp16, 3)] if cfg == configs[0] else []
+        for relu2, dtype, groups in [(False, fp16, 1), *first]:
+            if found := problem(cfg, relu2, dtype, groups):
+                problems.append(f"{cfg} relu2={relu2} {dtype} groups={groups}: {found}")
     return problems
 
 
-if __name__ == "__main__":
-    # python -m replicas.model.ws_matmul ['{"stages": 3}' ...]: the check, in a process of its own so
-    # that a launch whose barriers never complete is ended by its caller's timeout, not waited for
-    import json
-    import sys
+def check_in_child(configs: list[str], timeout: float = 240) -> tuple[list[WsConfig] | None, str]:
+    """check() on the launches (WsConfig fields as JSON, "{}" the default) in a process of its own,
+    so that a launch whose barriers never complete is ended by the timeout instead of hanging the
+    caller: (the launches that agree, or None if the check itself did not finish; its output)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *configs], capture_output=True,
+                             text=True, timeout=timeout, cwd=root)
+    except subprocess.TimeoutExpired:
+        return None, f"the check did not finish in {timeout:.0f} s: a partition waits for a barrier forever"
+    out = (run.stdout + run.stderr).strip()
+    if not (run.returncode == 0 or run.returncode == 1 and " relu2=" in run.stdout):
+        return None, out[-3000:]  # the check failed before it could judge the launches
+    launches = [WsConfig(**json.loads(c)) for c in configs]
+    return [c for c in launches if f"{c} relu2=" not in run.stdout], out[-3000:]
 
+
+if __name__ == "__main__":
+    # python -m replicas.model.ws_matmul ['{"stages": 3}' ...]: check() on these launches
     found = check([WsConfig(**json.loads(arg)) for arg in sys.argv[1:]] or [WS])
     torch.cuda.synchronize()
     print("\n".join(found) or "every launch agrees with torch's product")

@@ -127,6 +127,30 @@ def test_long_prefill_takes_relu2_in_the_key_product(pair, monkeypatch):
     assert_states_close(runner, ref, slots)
 
 
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9), reason="Gluon's Hopper matmul")
+def test_long_prefill_on_the_warp_specialised_matmul(pair, monkeypatch):
+    """large_mm="ws": the large path's products on ws_matmul.mm_ws (r, k, v in one grouped launch,
+    relu² in the key product's epilogue), here for every large-path call: logits and states as the
+    reference. Its launches are checked in a process of their own first (a wrong barrier hangs)."""
+    from replicas.model import kernels  # noqa: PLC0415
+    from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
+
+    runner, ref = pair
+    if runner.C % 256:
+        pytest.skip("r, k and v take whole tiles of 256 columns")
+    passed, out = check_in_child(["{}"], timeout=300)
+    assert passed, out
+    monkeypatch.setattr(kernels, "MM_RELU2_ROWS", 0)
+    monkeypatch.setattr(runner, "prefill_graphs", 0)
+    monkeypatch.setattr(runner, "prefill_wkv", "chunked")
+    monkeypatch.setattr(runner, "large_mm", "ws")
+    slots = [1, 4]
+    start_from_random_states(runner, ref, slots, seed=45)
+    chunks = [tokens(150, ref.vocab_size, 46), tokens(30, ref.vocab_size, 47)]
+    assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
+    assert_states_close(runner, ref, slots)
+
+
 def test_fresh_rows_start_on_the_fp32_path(pair):
     """A row from the zero state (reset) has its first token computed apart, with fp32 activations:
     there the time mix's output per head is GroupNorm((r·k) v), which turns sign where r·k is near

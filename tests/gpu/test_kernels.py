@@ -13,10 +13,6 @@ Marked `gpu`; on the CPU it runs under Triton's interpreter (TRITON_INTERPRET=1)
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,7 +20,6 @@ from .conftest import CUDA, DEVICE, INTERPRET, KERNEL_MARKS
 
 pytestmark = KERNEL_MARKS
 K = pytest.importorskip("replicas.model.kernels") if (CUDA or INTERPRET) else None
-ROOT = Path(__file__).resolve().parents[2]
 
 CONFIGS = {
     "fma-loop": lambda: K.GemvConfig(True, 8, 64, 4, 3, 4),
@@ -165,17 +160,15 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not HOPPER, reason="Hopper's warpgroup products (sm_90); Gluon has no interpreter")
 def test_warp_specialised_matmul_is_the_product():
     """replicas/model/ws_matmul.py at six of the launches bench/gpu_tune.py --parts mm times (the
-    first with relu² too), in a process of its own: a launch whose barriers never complete hangs,
-    and the timeout ends it."""
+    first with relu², bf16 and three groups too), in a process of its own: a launch whose barriers
+    never complete hangs, and the timeout ends it."""
+    from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
+
     launches = ["{}", '{"stages": 3, "epi_n": 256, "epi_bufs": 1}', '{"bm": 256, "bn": 128, "stages": 3}',
                 '{"bk": 128, "stages": 2}', '{"pingpong": true, "bn": 128, "stages": 5}',
                 '{"pingpong": true, "bm": 64, "stages": 5, "epi_bufs": 1}']
-    try:
-        run = subprocess.run([sys.executable, "-m", "replicas.model.ws_matmul", *launches], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the warp-specialised matmul did not finish in 300 s: a partition waits for a barrier")
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    passed, out = check_in_child(launches, timeout=300)
+    assert passed is not None and len(passed) == len(launches), out
 
 
 def ln_shift_mix_reference(x, dx, w, b, shift, mix, starts):
