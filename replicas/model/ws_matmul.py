@@ -25,8 +25,10 @@ and neither waits for the other within a step (Triton puts a barrier of the part
 before each of its arrivals). Checked on the CPU: a model of these barriers (tools/ws_protocol.py)
 runs every interleaving it draws without a deadlock or a buffer reloaded while it is read.
 
-Not in the runner: `bench/gpu_tune.py --parts mm` times it against cuBLAS and `kernels.mm_relu2`;
-tests/gpu/test_kernels.py checks it against torch. Needs a GPU of compute capability 9.0.
+Not yet run on a GPU (12-08b: no device machine lent). `bench/gpu_tune.py --parts mm` times it
+against cuBLAS and `kernels.mm_relu2`; the runner takes it for the large path's products with
+`CudaRunner.large_mm = "ws"` (off), which `bench/gpu.py --ws` times; tests/gpu check it against
+torch and the reference. Needs a GPU of compute capability 9.0.
 """
 
 from __future__ import annotations
