@@ -581,7 +581,7 @@ class CudaRunner(SlotStates):
         return self.large_mm == "ws" and T >= K.MM_RELU2_ROWS and not fp32 and self.C % 256 == 0
 
     def _mm_ws(self, a: Tensor, w: Tensor, relu2: bool = False, groups: int = 1) -> Tensor:
-        from . import ws_matmul  # noqa: PLC0415 (Gluon: a Triton of 2026, imported only where asked for)
+        from . import ws_matmul  # noqa: PLC0415 (Gluon, which older Tritons lack: imported where asked for)
 
         return ws_matmul.mm_ws(a, w, self.n_sm, relu2=relu2, groups=groups)
 
