@@ -14,6 +14,7 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9  # Gluon's warpgroup products (ws_matmul.py)
 KERNEL_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"),

@@ -20,7 +20,7 @@ from replicas.model.runner import ModelRunner
 from replicas.model.rwkv7 import RWKV7, init_random
 from replicas.model.state import RNNState
 
-from .conftest import CUDA, DEVICE, KERNEL_MARKS, rel_err
+from .conftest import CUDA, DEVICE, HOPPER, KERNEL_MARKS, rel_err
 
 pytestmark = KERNEL_MARKS
 TOLERANCE = 1e-2  # logits
@@ -111,42 +111,33 @@ def test_long_prefill_takes_the_gate_lora_apart(monkeypatch):
     assert_states_close(runner, ref, slots)
 
 
-def test_long_prefill_takes_relu2_in_the_key_product(pair, monkeypatch):
+@pytest.mark.parametrize("large_mm", ["cublas", "ws"])
+def test_long_prefill_on_our_matmuls(pair, large_mm, monkeypatch):
     """Calls of MM_RELU2_ROWS tokens or more run the channel mix's key product with relu² in its
-    epilogue (kernels.mm_relu2); here every large-path call does: logits and states as the reference."""
+    epilogue (kernels.mm_relu2); with large_mm="ws" all the large path's products on ws_matmul.mm_ws
+    (r, k, v in one grouped launch), its launch checked in a process of its own first (a wrong
+    barrier hangs). Here every large-path call does: logits and states as the reference."""
     from replicas.model import kernels  # noqa: PLC0415
 
     runner, ref = pair
+    seed = 40
+    if large_mm == "ws":
+        if not HOPPER:
+            pytest.skip("Gluon's Hopper matmul")
+        if runner.C % 256:
+            pytest.skip("r, k and v take whole tiles of 256 columns")
+        from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
+
+        passed, out = check_in_child(["{}"], timeout=300)
+        assert passed, out
+        seed = 45
     monkeypatch.setattr(kernels, "MM_RELU2_ROWS", 0)
     monkeypatch.setattr(runner, "prefill_graphs", 0)  # (a graph captured before would replay cuBLAS's)
     monkeypatch.setattr(runner, "prefill_wkv", "chunked")
+    monkeypatch.setattr(runner, "large_mm", large_mm)
     slots = [1, 4]
-    start_from_random_states(runner, ref, slots, seed=40)
-    chunks = [tokens(150, ref.vocab_size, 41), tokens(30, ref.vocab_size, 42)]
-    assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
-    assert_states_close(runner, ref, slots)
-
-
-@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9), reason="Gluon's Hopper matmul")
-def test_long_prefill_on_the_warp_specialised_matmul(pair, monkeypatch):
-    """large_mm="ws": the large path's products on ws_matmul.mm_ws (r, k, v in one grouped launch,
-    relu² in the key product's epilogue), here for every large-path call: logits and states as the
-    reference. Its launches are checked in a process of their own first (a wrong barrier hangs)."""
-    from replicas.model import kernels  # noqa: PLC0415
-    from replicas.model.ws_matmul import check_in_child  # noqa: PLC0415
-
-    runner, ref = pair
-    if runner.C % 256:
-        pytest.skip("r, k and v take whole tiles of 256 columns")
-    passed, out = check_in_child(["{}"], timeout=300)
-    assert passed, out
-    monkeypatch.setattr(kernels, "MM_RELU2_ROWS", 0)
-    monkeypatch.setattr(runner, "prefill_graphs", 0)
-    monkeypatch.setattr(runner, "prefill_wkv", "chunked")
-    monkeypatch.setattr(runner, "large_mm", "ws")
-    slots = [1, 4]
-    start_from_random_states(runner, ref, slots, seed=45)
-    chunks = [tokens(150, ref.vocab_size, 46), tokens(30, ref.vocab_size, 47)]
+    start_from_random_states(runner, ref, slots, seed=seed)
+    chunks = [tokens(150, ref.vocab_size, seed + 1), tokens(30, ref.vocab_size, seed + 2)]
     assert rel_err(runner.prefill(slots, chunks), ref.prefill(slots, chunks)) <= TOLERANCE
     assert_states_close(runner, ref, slots)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import CUDA, DEVICE, INTERPRET, KERNEL_MARKS
+from .conftest import CUDA, DEVICE, HOPPER, INTERPRET, KERNEL_MARKS
 
 pytestmark = KERNEL_MARKS
 K = pytest.importorskip("replicas.model.kernels") if (CUDA or INTERPRET) else None
@@ -152,9 +152,6 @@ def test_mm_without_relu2_is_the_product_at_other_launches(cfg):
     w = (torch.randn(N, K_, device=DEVICE) / K_**0.5).half()
     y = K.mm_relu2(a, w, n_sm=132 if CUDA else 2, relu2=False, cfg=K.MmConfig(**cfg))
     assert close(y, reference(a, w, K.ACT_NONE), 1e-3)
-
-
-HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.skipif(not HOPPER, reason="Hopper's warpgroup products (sm_90); Gluon has no interpreter")
